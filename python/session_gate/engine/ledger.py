@@ -1,0 +1,54 @@
+"""Patch ledger: every vLLM symbol session_gate touches, why, how, and when it can go.
+
+Kept as data so tests can check each entry still resolves against the installed vLLM, and so the
+list is read in one place instead of discovered by grepping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Patch:
+    symbol: str
+    how: str
+    why: str
+    removable_when: str
+
+
+LEDGER: tuple[Patch, ...] = (
+    Patch(
+        symbol="vllm.v1.engine.core.EngineCore.session_gate_usage / _probe / _forget",
+        how="added as new attributes (nothing of vLLM's is replaced); set once per process",
+        why="UTILITY calls resolve methods with getattr(EngineCore, name); there is no "
+        "registry for third-party utility methods",
+        removable_when="vLLM offers a plugin hook that registers engine-core utility methods",
+    ),
+    Patch(
+        symbol="vllm.v1.core.block_pool.BlockHashToBlockMap._cache",
+        how="read only: dict lookups by key through the CPython API, no method calls",
+        why="get_one_block() is a Python call per block; the probe must stay within "
+        "microseconds inside the engine loop",
+        removable_when="BlockPool exposes a batched, side-effect-free longest-prefix lookup",
+    ),
+    Patch(
+        symbol="vllm.v1.core.block_pool.BlockPool.cached_block_hashes_by_block, .blocks",
+        how="read only: counts cached blocks whose ref_cnt is 0",
+        why="get_usage() counts free-but-cached blocks as free; the gate needs both numbers",
+        removable_when="BlockPool reports its number of cached free blocks",
+    ),
+    Patch(
+        symbol="vllm.v1.core.kv_cache_utils.NONE_HASH",
+        how="read once on the first probe (after EngineCore.__init__ ran init_none_hash)",
+        why="the first block's parent hash; random per process for xxhash without PYTHONHASHSEED",
+        removable_when="never: it is the hash chain's root, reading it is the exact way",
+    ),
+    Patch(
+        symbol="KVCacheCoordinator.find_longest_cache_hit, kv_cache_utils.hash_block_tokens",
+        how="called as-is (read only) on engines the native path cannot answer exactly",
+        why="hybrid models, EAGLE and context parallelism change the hit rule; vLLM's own "
+        "functions are exact by construction",
+        removable_when="never needed on plain full-attention engines",
+    ),
+)

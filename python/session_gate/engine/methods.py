@@ -1,0 +1,246 @@
+"""The ``session_gate_*`` utility methods added to vLLM's ``EngineCore``.
+
+They run inside the engine core's busy loop as ``EngineCoreRequestType.UTILITY`` calls, between
+model steps: a probe never enters the scheduler's queues, never allocates, frees or touches a KV
+block, and never changes vLLM's prefix-cache statistics. Every exception becomes the utility
+call's failure message (vLLM catches ``Exception`` around utility methods), and the native module
+turns Rust panics into ``RuntimeError`` so nothing escapes that net.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+from vllm.v1.engine.core import EngineCore
+from vllm.utils.hashing import get_hash_fn_by_name
+
+logger = logging.getLogger("session_gate")
+
+#: Default byte budget of the per-session hash-chain cache (env: SESSION_GATE_CHAIN_CACHE_BYTES).
+DEFAULT_CHAIN_CACHE_BYTES = 256 * 1024 * 1024
+
+_STATE_ATTR = "_session_gate_state"
+
+
+def _load_native() -> tuple[Any, str | None]:
+    try:
+        from session_gate import _native
+
+        return _native, None
+    except Exception as exc:  # ImportError, or a broken/ABI-mismatched library
+        return None, f"session_gate native module failed to load: {exc!r}"
+
+
+class EngineState:
+    """What the probes need from one engine core, resolved once on the first call."""
+
+    def __init__(self, core: EngineCore, native: Any, native_error: str | None) -> None:
+        kvm = core.scheduler.kv_cache_manager
+        config = core.vllm_config
+        self.kv_cache_manager = kvm
+        self.block_pool = kvm.block_pool
+        self.block_size = int(self.block_pool.hash_block_size)
+        self.hash_algo = str(config.cache_config.prefix_caching_hash_algo)
+        self.vocab_size = int(config.model_config.get_vocab_size())
+        self.max_model_len = int(config.model_config.max_model_len)
+        self.unavailable = native_error or self._why_unavailable(kvm, config)
+        self.path = "unavailable" if self.unavailable else self._choose_path(kvm)
+        self.native = None
+        if self.path == "native":
+            budget = int(os.environ.get("SESSION_GATE_CHAIN_CACHE_BYTES", DEFAULT_CHAIN_CACHE_BYTES))
+            self.native = native.ProbeEngine(
+                self.hash_algo,
+                kv_cache_utils.NONE_HASH,
+                self.block_size,
+                self.vocab_size,
+                self.max_model_len,
+                budget,
+            )
+        self._python_hash_fn = get_hash_fn_by_name(self.hash_algo)
+        self._native_module = native
+
+    @staticmethod
+    def _why_unavailable(kvm: Any, config: Any) -> str | None:
+        if not kvm.enable_caching:
+            return "prefix caching is disabled in this engine"
+        if config.lora_config is not None:
+            # A LoRA request's blocks hash with its adapter name; a probe of bare token ids
+            # cannot know which adapter the session's next turn will use.
+            return "LoRA is enabled: block hashes depend on the request's adapter"
+        return None
+
+    @staticmethod
+    def _choose_path(kvm: Any) -> str:
+        coordinator = kvm.coordinator
+        exact_natively = (
+            isinstance(coordinator, UnitaryKVCacheCoordinator)
+            and kvm.num_kv_cache_groups == 1
+            and coordinator.block_size == kvm.block_pool.hash_block_size
+            and not coordinator.eagle_group_ids
+            and getattr(coordinator, "dcp_world_size", 1) == 1
+            and getattr(coordinator, "pcp_world_size", 1) == 1
+        )
+        # Anything else (hybrid models, EAGLE, context parallelism) is answered by vLLM's own
+        # Python functions, which are exact by construction.
+        return "native" if exact_natively else "python"
+
+    # -- usage ------------------------------------------------------------------------------
+
+    def usage(self) -> dict[str, Any]:
+        pool = self.block_pool
+        if self._native_module is not None:
+            cached_free = self._native_module.count_cached_free_blocks(
+                pool.blocks, pool.cached_block_hashes_by_block
+            )
+        else:
+            cached_free = sum(
+                1 for bid in pool.cached_block_hashes_by_block if pool.blocks[bid].ref_cnt == 0
+            )
+        return {
+            "kv_cache_usage": float(pool.get_usage()),
+            # The null block is never usable; vLLM's usage excludes it too.
+            "num_blocks": int(pool.num_gpu_blocks) - 1,
+            "num_free_blocks": int(pool.get_num_free_blocks()),
+            "num_cached_free_blocks": int(cached_free),
+            "block_size": self.block_size,
+            "hash_algo": self.hash_algo,
+        }
+
+    # -- prefix -----------------------------------------------------------------------------
+
+    def probe(self, session_id: Any, token_ids: Any) -> dict[str, Any]:
+        if session_id is not None and not isinstance(session_id, str):
+            raise TypeError(
+                f"session_id must be a str or None, got {type(session_id).__name__}"
+            )
+        answer: dict[str, Any]
+        if self.path == "native":
+            hit_blocks, hit_tokens, prompt_tokens, hashed, reused = self.native.probe(
+                self.block_pool.cached_block_hash_to_block._cache, session_id, token_ids
+            )
+            answer = {"blocks_hashed": hashed, "blocks_reused": reused}
+        else:
+            tokens = self._validated_list(token_ids)
+            prompt_tokens = len(tokens)
+            if self.path == "unavailable":
+                return {"available": False, "reason": self.unavailable,
+                        "prompt_tokens": prompt_tokens, "path": self.path}
+            hit_tokens = self._python_hit_tokens(tokens)
+            hit_blocks = hit_tokens // self.block_size
+            answer = {"blocks_hashed": prompt_tokens // self.block_size, "blocks_reused": 0}
+        answer.update(
+            available=True,
+            path=self.path,
+            hit_blocks=hit_blocks,
+            hit_tokens=hit_tokens,
+            prompt_tokens=prompt_tokens,
+            hit_ratio=hit_tokens / prompt_tokens,
+        )
+        return answer
+
+    def _validated_list(self, token_ids: Any) -> list[int]:
+        # Same checks as the native path, so both paths refuse the same prompts.
+        if self._native_module is not None:
+            return list(self._native_module.validate_prompt(
+                token_ids, self.vocab_size, self.max_model_len))
+        if isinstance(token_ids, (bytes, bytearray)):
+            token_ids = list(memoryview(bytes(token_ids)).cast("I"))
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("invalid probe input: token_ids is empty")
+        if len(tokens) > self.max_model_len:
+            raise ValueError(
+                f"invalid probe input: prompt has {len(tokens)} tokens, longer than "
+                f"max_model_len {self.max_model_len}")
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"invalid probe input: token id {t!r} at index {i} is not an "
+                                 f"int in [0, {self.vocab_size})")
+        return tokens
+
+    def _python_hit_tokens(self, tokens: list[int]) -> int:
+        """vLLM's own hashing and longest-hit search (read-only), for non-native engines."""
+        size = self.block_size
+        hashes = []
+        parent = None
+        for start in range(0, len(tokens) - size + 1, size):
+            parent = kv_cache_utils.hash_block_tokens(
+                self._python_hash_fn, parent, tokens[start:start + size]
+            )
+            hashes.append(parent)
+        # Same cap as KVCacheManager.get_computed_blocks: the last token is always recomputed.
+        _, hit_tokens, *_ = self.kv_cache_manager.coordinator.find_longest_cache_hit(
+            hashes, len(tokens) - 1
+        )
+        return int(hit_tokens)
+
+    def forget(self, session_id: Any) -> bool:
+        if not isinstance(session_id, str):
+            raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
+        return bool(self.native.forget(session_id)) if self.native is not None else False
+
+    def clear(self) -> None:
+        if self.native is not None:
+            self.native.clear()
+
+
+def _state(core: EngineCore) -> EngineState:
+    state = core.__dict__.get(_STATE_ATTR)
+    if state is None:
+        native, error = _load_native()
+        state = EngineState(core, native, error)
+        core.__dict__[_STATE_ATTR] = state
+    return state
+
+
+def _timed(answer: dict[str, Any], started_ns: int) -> dict[str, Any]:
+    # Time spent inside the engine loop (excludes IPC): what every running sequence waited.
+    answer["engine_us"] = (time.perf_counter_ns() - started_ns) / 1000.0
+    return answer
+
+
+def session_gate_usage(self: EngineCore) -> dict[str, Any]:
+    """KV usage exactly as ``BlockPool.get_usage()`` computes it, plus the counts behind it."""
+    started = time.perf_counter_ns()
+    return _timed(_state(self).usage(), started)
+
+
+def session_gate_probe(self: EngineCore, session_id: Any, token_ids: Any) -> dict[str, Any]:
+    """Tokens of ``token_ids`` vLLM would report cached if scheduled now, with usage fields."""
+    started = time.perf_counter_ns()
+    state = _state(self)
+    answer = state.probe(session_id, token_ids)
+    answer.update(state.usage())
+    return _timed(answer, started)
+
+
+def session_gate_forget(self: EngineCore, session_id: Any) -> bool:
+    """Drop a finished session's remembered hash chain."""
+    return _state(self).forget(session_id)
+
+
+UTILITY_METHODS = {
+    "session_gate_usage": session_gate_usage,
+    "session_gate_probe": session_gate_probe,
+    "session_gate_forget": session_gate_forget,
+}
+
+
+def install() -> None:
+    """Add the utility methods to ``EngineCore`` (idempotent). Logs a warning when the native
+    module cannot load: the usage probe still answers, the prefix probe answers "unavailable"
+    with the reason, and vLLM serves as usual."""
+    if getattr(EngineCore, "_session_gate_installed", False):
+        return
+    native, error = _load_native()
+    if native is None:
+        logger.warning("session_gate: %s; probes will report it and vLLM serves unchanged", error)
+    for name, fn in UTILITY_METHODS.items():
+        setattr(EngineCore, name, fn)
+    EngineCore._session_gate_installed = True
+

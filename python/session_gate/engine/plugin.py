@@ -1,0 +1,28 @@
+"""``vllm.general_plugins`` entry point.
+
+vLLM calls ``register()`` in every process that loads general plugins (API server, engine core,
+workers), possibly more than once. Registration is idempotent and never raises: a plugin that
+fails logs a warning, disables itself, and lets vLLM serve.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("session_gate")
+
+_registered = False
+
+
+def register() -> None:
+    """Add the session_gate utility methods to vLLM's ``EngineCore`` (once per process)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        from session_gate.engine.methods import install
+
+        install()
+    except Exception as exc:  # never take vLLM down with us
+        logger.warning("session_gate: plugin disabled, vLLM serves without probes: %r", exc)

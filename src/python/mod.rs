@@ -1,0 +1,20 @@
+//! The PyO3 binding, compiled only with the `python` feature: the `session_gate._native` module.
+//!
+//! Only this folder imports PyO3. Every function body runs inside [`guard::no_panic`], so a Rust
+//! panic reaches Python as an ordinary `RuntimeError` — never as PyO3's `PanicException`, which
+//! derives from `BaseException` and would escape vLLM's `except Exception` around utility calls
+//! and take the engine core down.
+use pyo3::prelude::*;
+
+mod engine;
+mod errors;
+mod guard;
+mod tokens;
+
+/// `session_gate._native`: the engine-side probe and the gate core.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    engine::register(m)?;
+    Ok(())
+}

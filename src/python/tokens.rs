@@ -1,0 +1,126 @@
+//! Reading a prompt's token ids from Python, with errors that name the offending position.
+//!
+//! Two forms are accepted: a `list`/`tuple` of ints (what OpenAI-style callers have), and a
+//! bytes-like object of packed little-endian `uint32` (what `EngineProbe` sends: msgpack carries
+//! it as one binary blob, so neither side converts thousands of Python ints inside the engine loop).
+use std::borrow::Cow;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyList, PyTuple};
+
+use crate::error::Error;
+
+/// Limits a prompt must respect: the engine's vocabulary and context length.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TokenLimits {
+    pub(crate) vocab_size: u64,
+    pub(crate) max_model_len: usize,
+}
+
+/// Extracts and validates `obj` as a prompt (non-empty, ids in `0..vocab_size`, length within
+/// `max_model_len`). `limits = None` skips the engine-specific checks (used by the hash helpers).
+pub(crate) fn read_prompt<'a>(
+    obj: &'a Bound<'_, PyAny>,
+    limits: Option<TokenLimits>,
+) -> Result<Cow<'a, [u32]>, Error> {
+    let tokens: Cow<'a, [u32]> = if let Ok(b) = obj.cast::<PyBytes>() {
+        Cow::Owned(unpack_le_u32(b.as_bytes())?)
+    } else if let Ok(b) = obj.cast::<PyByteArray>() {
+        // SAFETY-free copy: `to_vec` snapshots the buffer while we hold the interpreter.
+        Cow::Owned(unpack_le_u32(&b.to_vec())?)
+    } else if let Ok(list) = obj.cast::<PyList>() {
+        Cow::Owned(read_ints(list.iter(), list.len())?)
+    } else if let Ok(tuple) = obj.cast::<PyTuple>() {
+        Cow::Owned(read_ints(tuple.iter(), tuple.len())?)
+    } else {
+        return Err(Error::InvalidInput(format!(
+            "token_ids must be a list of ints or packed little-endian uint32 bytes, got {}",
+            type_name(obj)
+        )));
+    };
+    if let Some(limits) = limits {
+        check_limits(&tokens, limits)?;
+    }
+    Ok(tokens)
+}
+
+fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
+    if tokens.is_empty() {
+        return Err(Error::InvalidInput("token_ids is empty".into()));
+    }
+    if tokens.len() > limits.max_model_len {
+        return Err(Error::InvalidInput(format!(
+            "prompt has {} tokens, longer than max_model_len {}",
+            tokens.len(),
+            limits.max_model_len
+        )));
+    }
+    if let Some((i, &t)) = tokens
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| u64::from(t) >= limits.vocab_size)
+    {
+        return Err(Error::InvalidInput(format!(
+            "token id {t} at index {i} is outside the vocabulary (size {})",
+            limits.vocab_size
+        )));
+    }
+    Ok(())
+}
+
+fn unpack_le_u32(bytes: &[u8]) -> Result<Vec<u32>, Error> {
+    if bytes.len() % 4 != 0 {
+        return Err(Error::InvalidInput(format!(
+            "packed token_ids must be a multiple of 4 bytes (little-endian uint32), got {} bytes",
+            bytes.len()
+        )));
+    }
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+fn read_ints<'py>(
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    len: usize,
+) -> Result<Vec<u32>, Error> {
+    let mut out = Vec::with_capacity(len);
+    for (i, item) in items.enumerate() {
+        // bool is an int subclass in Python; a True in a prompt is a caller bug, not token 1.
+        if item.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(Error::InvalidInput(format!(
+                "token id at index {i} is a bool, expected int"
+            )));
+        }
+        let value: i64 = match item.extract::<i64>() {
+            Ok(v) => v,
+            Err(_) if item.is_instance_of::<pyo3::types::PyInt>() => {
+                return Err(Error::InvalidInput(format!(
+                    "token id at index {i} does not fit in 64 bits"
+                )));
+            }
+            Err(_) => {
+                return Err(Error::InvalidInput(format!(
+                    "token id at index {i} is {}, expected int",
+                    type_name(&item)
+                )));
+            }
+        };
+        let Ok(token) = u32::try_from(value) else {
+            return Err(Error::InvalidInput(format!(
+                "token id {value} at index {i} is {}",
+                if value < 0 { "negative" } else { "larger than 2^32-1" }
+            )));
+        };
+        out.push(token);
+    }
+    Ok(out)
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "an unknown type".into())
+}

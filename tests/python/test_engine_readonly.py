@@ -1,0 +1,87 @@
+"""Probes are read-only: the block pool is bit-for-bit the same before and after a burst of probes.
+
+Runs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the test can look at
+the block pool directly, and uses the ``xxhash`` algorithm, whose NONE_HASH is random per process,
+to check that the native path follows the engine's own seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+from conftest import random_prompt, run_prompt
+
+from session_gate.engine.launch import make_llm
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def llm():
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        engine = make_llm(num_blocks=48, block_size=BLOCK, hash_algo="xxhash")
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def engine_core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def snapshot(core) -> dict:
+    """Everything a probe could disturb: free-queue order, ref counts, hashes, map, stats."""
+    kvm = core.scheduler.kv_cache_manager
+    pool = kvm.block_pool
+    order = []
+    node = pool.free_block_queue.fake_free_list_head.next_free_block
+    while node is not None and node is not pool.free_block_queue.fake_free_list_tail:
+        order.append(node.block_id)
+        node = node.next_free_block
+    cache = pool.cached_block_hash_to_block._cache
+    stats = kvm.prefix_cache_stats
+    return {
+        "free_order": order,
+        "num_free": pool.get_num_free_blocks(),
+        "ref_cnt": [b.ref_cnt for b in pool.blocks],
+        "hashes": [b.block_hash for b in pool.blocks],
+        "map": {k: (v.block_id if hasattr(v, "block_id") else sorted(v)) for k, v in cache.items()},
+        "by_block": {k: sorted(v) for k, v in pool.cached_block_hashes_by_block.items()},
+        "stats": dataclasses.asdict(stats) if stats is not None else None,
+        "waiting": len(core.scheduler.waiting),
+        "running": len(core.scheduler.running),
+    }
+
+
+def test_a_burst_of_probes_changes_nothing_in_the_block_pool(llm):
+    rng = random.Random(3)
+    core = engine_core(llm)
+    prompts = [random_prompt(rng, n) for n in (5 * BLOCK + 3, 9 * BLOCK, 14 * BLOCK + 31)]
+    for p in prompts[:2]:
+        run_prompt(llm, p, max_tokens=3)
+    before = snapshot(core)
+    assert before["map"], "the cache should hold prefixes before probing"
+    for i in range(300):
+        p = prompts[i % 3]
+        core.session_gate_probe(f"s{i % 7}", p[: len(p) - (i % 5)])
+        core.session_gate_usage()
+    core.session_gate_forget("s1")
+    assert snapshot(core) == before
+
+
+def test_native_probe_follows_the_engines_random_none_hash(llm):
+    core = engine_core(llm)
+    prompt = random_prompt(random.Random(5), 7 * BLOCK + 2)
+    run_prompt(llm, prompt)
+    answer = core.session_gate_probe("xx", prompt)
+    assert answer["path"] == "native"
+    assert answer["hit_tokens"] == run_prompt(llm, prompt) == 7 * BLOCK
