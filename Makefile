@@ -31,7 +31,7 @@ demo: setup
 	$(PY) -m session_gate.demo
 
 bench-probe: setup
-	$(PY) -m session_gate.bench.probe
+	$(PY) -m session_gate.engine.bench_probe
 
 bench-gate: setup
 	cargo run --release --quiet --example bench_gate

@@ -23,7 +23,9 @@ pub enum Error {
     #[error("invalid probe input: {0}")]
     InvalidInput(String),
     /// The prefix-caching hash algorithm is not one vLLM offers.
-    #[error("unsupported prefix_caching_hash_algo `{0}` (expected sha256, sha256_cbor, xxhash or xxhash_cbor)")]
+    #[error(
+        "unsupported prefix_caching_hash_algo `{0}` (expected sha256, sha256_cbor, xxhash or xxhash_cbor)"
+    )]
     UnsupportedHashAlgo(String),
     /// A probe could not answer (engine side missing, timed out, failed).
     #[error("probe unavailable: {0}")]

@@ -203,11 +203,11 @@ fn histogram<const N: usize>(out: &mut String, name: &str, label: &str, h: &Hist
     let mut cumulative = 0;
     for (i, c) in h.counts.iter().enumerate() {
         cumulative += c;
-        let le = h.bounds.get(i).map_or("+Inf".to_string(), |b| b.to_string());
-        let _ = writeln!(
-            out,
-            "{name}_bucket{{{label}{sep}le=\"{le}\"}} {cumulative}"
-        );
+        let le = h
+            .bounds
+            .get(i)
+            .map_or("+Inf".to_string(), |b| b.to_string());
+        let _ = writeln!(out, "{name}_bucket{{{label}{sep}le=\"{le}\"}} {cumulative}");
     }
     let braces = if label.is_empty() {
         String::new()
@@ -280,11 +280,7 @@ pub const METRICS: &[MetricDesc] = &[
         "counter",
         "Ownership windows ended by finish_session.",
     ),
-    m(
-        "session_gate_leases_active",
-        "gauge",
-        "Leases in flight.",
-    ),
+    m("session_gate_leases_active", "gauge", "Leases in flight."),
     m(
         "session_gate_reservations_held",
         "gauge",

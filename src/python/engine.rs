@@ -42,7 +42,9 @@ impl ProbeEngine {
     ) -> PyResult<Self> {
         no_panic("ProbeEngine()", || {
             if block_size == 0 {
-                return Err(crate::Error::InvalidInput("block_size must be positive".into()).into());
+                return Err(
+                    crate::Error::InvalidInput("block_size must be positive".into()).into(),
+                );
             }
             let algo = HashAlgo::from_name(hash_algo)?;
             Ok(Self {
@@ -50,7 +52,10 @@ impl ProbeEngine {
                 chains: ChainCache::new(chain_cache_bytes),
                 block_size,
                 group_suffix: group_id.to_be_bytes(),
-                limits: TokenLimits { vocab_size, max_model_len },
+                limits: TokenLimits {
+                    vocab_size,
+                    max_model_len,
+                },
                 key_buf: Vec::with_capacity(64),
             })
         })
@@ -122,7 +127,14 @@ impl ProbeEngine {
     ) -> PyResult<(usize, usize, usize, usize, usize)> {
         let tokens = read_prompt(token_ids, Some(self.limits))?;
         let py = cached_map.py();
-        let Self { hasher, chains, block_size, group_suffix, key_buf, .. } = self;
+        let Self {
+            hasher,
+            chains,
+            block_size,
+            group_suffix,
+            key_buf,
+            ..
+        } = self;
         let mut lookup_error = None;
         let is_resident = |hash: &BlockHash| {
             key_buf.clear();
@@ -215,9 +227,16 @@ fn hash_blocks<'py>(
 /// Validates a prompt exactly as the native probe does and returns it as a list of ints
 /// (used by the Python fallback path so both paths refuse the same prompts).
 #[pyfunction]
-fn validate_prompt(token_ids: &Bound<'_, PyAny>, vocab_size: u64, max_model_len: usize) -> PyResult<Vec<u32>> {
+fn validate_prompt(
+    token_ids: &Bound<'_, PyAny>,
+    vocab_size: u64,
+    max_model_len: usize,
+) -> PyResult<Vec<u32>> {
     no_panic("validate_prompt", || {
-        let limits = TokenLimits { vocab_size, max_model_len };
+        let limits = TokenLimits {
+            vocab_size,
+            max_model_len,
+        };
         Ok(read_prompt(token_ids, Some(limits))?.into_owned())
     })
 }

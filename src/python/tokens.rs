@@ -110,7 +110,11 @@ fn read_ints<'py>(
         let Ok(token) = u32::try_from(value) else {
             return Err(Error::InvalidInput(format!(
                 "token id {value} at index {i} is {}",
-                if value < 0 { "negative" } else { "larger than 2^32-1" }
+                if value < 0 {
+                    "negative"
+                } else {
+                    "larger than 2^32-1"
+                }
             )));
         };
         out.push(token);

@@ -1,0 +1,135 @@
+//! Prints how fast block hashing and the session chain cache are.
+//!
+//! Run with `cargo run --release --example hash_speed` on an otherwise idle machine: every
+//! figure is the median (and the best) of many timed runs, but a busy neighbour still shows.
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use session_gate::hashing::{BlockHash, BlockHasher, HashAlgo};
+use session_gate::prefix::{ChainCache, WalkResult};
+
+const BS: usize = 16;
+
+/// Token ids below a 151,936-token vocabulary (most need a 5-byte `BININT` in the pickle).
+fn vocab_tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) % 151_936)
+        .collect()
+}
+
+fn time<T>(f: impl FnOnce() -> T) -> (Duration, T) {
+    let start = Instant::now();
+    let out = f();
+    (start.elapsed(), out)
+}
+
+/// "median (best)" of the samples, in µs.
+fn summary(mut samples: Vec<Duration>) -> String {
+    samples.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    format!(
+        "{:8.1} µs median ({:.1} best)",
+        us(samples[samples.len() / 2]),
+        us(samples[0])
+    )
+}
+
+fn main() {
+    println!("hash_full_blocks, 2,048 blocks x 16 tokens (100 runs):");
+    for algo in HashAlgo::ALL {
+        let mut h = BlockHasher::new(algo, &vec![7; algo.digest_len()]).unwrap();
+        for (label, tokens) in [
+            ("vocab ids < 151,936", vocab_tokens(2048 * BS, 1)),
+            (
+                "ids < 256",
+                (0..2048 * BS as u32).map(|i| i % 256).collect(),
+            ),
+        ] {
+            let mut out = Vec::with_capacity(2048);
+            let samples = (0..100)
+                .map(|_| {
+                    out.clear();
+                    time(|| h.hash_full_blocks(None, black_box(&tokens), BS, &mut out)).0
+                })
+                .collect();
+            println!("  {:<12} {label:<20} {}", algo.name(), summary(samples));
+        }
+    }
+
+    // Sessions whose chains hold a 32,768-token prompt, then one more 512-token turn each.
+    let mut h = BlockHasher::new(HashAlgo::Sha256, &[7; 32]).unwrap();
+    let sessions = 100;
+    let rounds = 5;
+    let ids: Vec<String> = (0..sessions).map(|s| format!("session-{s}")).collect();
+    let turn1: Vec<Vec<u32>> = (0..sessions as u32)
+        .map(|s| vocab_tokens(32_768, s))
+        .collect();
+    let turn2: Vec<Vec<u32>> = turn1
+        .iter()
+        .enumerate()
+        .map(|(s, t)| [t.clone(), vocab_tokens(512, 1000 + s as u32)].concat())
+        .collect();
+    let edited: Vec<Vec<u32>> = turn2
+        .iter()
+        .map(|t| {
+            let mut t = t.clone();
+            t[16_000] ^= 1;
+            t
+        })
+        .collect();
+    let all = |_: &BlockHash| true;
+    let none = |_: &BlockHash| false;
+
+    let mut first = Vec::new();
+    let mut extend = Vec::new();
+    let mut repeat = Vec::new();
+    let mut miss = Vec::new();
+    let mut diverge = Vec::new();
+    let mut per_session = 0;
+    for _ in 0..rounds {
+        let mut cache = ChainCache::new(1 << 30);
+        let mut probe = |samples: &mut Vec<Duration>,
+                         prompts: &[Vec<u32>],
+                         resident: &dyn Fn(&BlockHash) -> bool| {
+            let mut last = WalkResult::default();
+            for (id, t) in ids.iter().zip(prompts) {
+                let (d, r) = time(|| cache.walk(Some(id), t, BS, &mut h, resident));
+                samples.push(d);
+                last = r;
+            }
+            last
+        };
+        probe(&mut first, &turn1, &all);
+        let last = probe(&mut extend, &turn2, &all);
+        assert_eq!((last.blocks_hashed, last.blocks_reused), (32, 2047));
+        probe(&mut repeat, &turn2, &all);
+        probe(&mut miss, &turn2, &none);
+        probe(&mut diverge, &edited, &all);
+        drop(probe);
+        per_session = cache.bytes() / cache.len();
+    }
+    println!(
+        "\nChainCache.walk, sha256, block 16, lookups answered by `|_| true` ({rounds} x {sessions} probes):"
+    );
+    println!(
+        "  first probe, 32,768 tokens (2,047 hashed)      {}",
+        summary(first)
+    );
+    println!(
+        "  + one 512-token turn (32 hashed, 2,047 reused) {}",
+        summary(extend)
+    );
+    println!(
+        "  same 33,280 tokens again (all reused)          {}",
+        summary(repeat)
+    );
+    println!(
+        "  same prompt, miss at block 0                   {}",
+        summary(miss)
+    );
+    println!(
+        "  token 16,000 changed (1,080 re-hashed)         {}",
+        summary(diverge)
+    );
+    println!("\nchain cache memory: {per_session} bytes per session at 33,280 tokens / block 16");
+}

@@ -1,0 +1,827 @@
+//! `GateCore`: the sans-IO admission state machine. It never reads a clock and never does I/O;
+//! drivers pass `now` (monotonic seconds) into every call and carry out the [`Action`]s it returns.
+//!
+//! # Decision tree
+//!
+//! Every poll cycle of an attempt starts with a usage probe, and then, per
+//! [`Pressure`]:
+//!
+//! **Committed** (default). `line = high_watermark × num_blocks`; `ws` = blocks of prompt +
+//! max_tokens; `committed` = working sets of every reserved session (in flight or idle).
+//! 1. The session holds a reservation: if older reservations are committed and their working
+//!    sets plus this `ws` exceed `line`, the reservation is *revoked* (counted; the lease says
+//!    `revoked`) and the attempt goes on as a cold one. The oldest reservation is never revoked:
+//!    with nothing older there is nobody to yield to. Otherwise it is admitted at once, no prefix
+//!    probe: `open` if usage < watermark, the updated committed set fits under `line` and FIFO
+//!    allows it, else `reserved_session`.
+//! 2. Cold, and FIFO allows it (see below): `open` when nothing is committed (so an oversize
+//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`.
+//! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
+//!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
+//! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
+//!
+//! Every admission takes (or renews) the session's reservation.
+//!
+//! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
+//! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
+//! 4. `open` takes no reservation unless the session already holds one; admissions under
+//! pressure take one when `retain_session` is set; nothing is revoked.
+//!
+//! A usage probe that fails leaves the usage unknown: committed mode then decides on the
+//! committed set alone, engine mode assumes pressure. Until a usage report has told the block
+//! size, working sets are unknown and the capacity checks are skipped.
+//!
+//! # FIFO, precisely
+//!
+//! Each attempt has an order key: its arrival (begin) order, inherited by a retry from the
+//! attempt it preempts, so a retry keeps the session's place in line. Attempts that were told to
+//! wait sit in a queue by that key. A cold attempt may take free room (`open`) only when no
+//! queued attempt has a smaller key: a later waiter never takes room ahead of an earlier one
+//! that is still blocked, even when only the later one would fit. Admissions that do not take
+//! free room — `reserved_session`, `resident_prefix`, `prefix_probe_unavailable`, `max_wait` —
+//! are not ordered: preferring sessions whose prefix is resident is the point of the gate, and
+//! reserved sessions re-entering never queue.
+//!
+//! # Waking waiters
+//!
+//! [`GateCore::epoch`] increases whenever something happens that may let a waiting attempt
+//! proceed or end it: a release, `finish_session`, an expired grace window, a revocation, a
+//! preemption, or the head of the queue leaving. A driver keeps one broadcast notification: after
+//! any call that changed the epoch it wakes every waiter, and each waiter polls again. The core
+//! answers a spurious wake-up with the same `Wait` without asking for a probe, so only the
+//! waiters that can gain (the head of the queue, preempted attempts) do any work.
+use std::collections::{BTreeMap, HashMap};
+
+use super::config::{GateConfig, Pressure};
+use super::ledger::Ledger;
+use super::metrics::GateStats;
+use super::session::{Reservation, Sessions};
+use super::types::{
+    Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,
+};
+use crate::error::{Error, Result};
+
+/// Cache geometry from the latest valid usage report.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Geometry {
+    num_blocks: u64,
+    block_size: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Phase {
+    /// A new cycle: the next poll asks for a usage probe.
+    AwaitUsage,
+    /// The usage answer is in; the next poll decides.
+    Decide,
+    AwaitPrefix,
+    /// The prefix answer is in; the next poll decides.
+    DecidePrefix,
+    Waiting {
+        until: f64,
+        seen_epoch: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Hit {
+    NotAsked,
+    Unavailable,
+    Ratio(f64),
+}
+
+#[derive(Debug)]
+struct Attempt {
+    slot: u32,
+    /// FIFO key (see the module docs).
+    order: u64,
+    ws_tokens: u64,
+    started: f64,
+    phase: Phase,
+    /// This cycle's vLLM usage; `None` = the probe failed.
+    usage: Option<f64>,
+    /// Epoch when this cycle's usage was taken: a decision to wait on data older than the last
+    /// release starts a fresh cycle instead.
+    usage_epoch: u64,
+    hit: Hit,
+    retain: bool,
+    preempted: bool,
+    queued: bool,
+    revoked: bool,
+}
+
+#[derive(Debug)]
+struct LeaseRec {
+    slot: u32,
+    /// Age of the reservation this lease holds, if any. A lease outliving its reservation
+    /// (finished, revoked) must not touch the session's next one.
+    reservation: Option<u64>,
+}
+
+enum Step {
+    Admit(Reason),
+    Prefix,
+    Wait,
+    Restart,
+}
+
+/// The sans-IO admission gate. See the module docs for the decision tree, FIFO and waking.
+#[derive(Debug)]
+pub struct GateCore {
+    cfg: GateConfig,
+    sessions: Sessions,
+    ledger: Ledger,
+    attempts: HashMap<u64, Attempt>,
+    /// order key → attempt, for attempts told to wait.
+    queue: BTreeMap<u64, u64>,
+    leases: HashMap<u64, LeaseRec>,
+    geometry: Option<Geometry>,
+    next_attempt: u64,
+    next_lease: u64,
+    epoch: u64,
+    pending: u64,
+    stats: GateStats,
+}
+
+impl GateCore {
+    /// A core with these knobs, validated.
+    pub fn new(config: GateConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self {
+            cfg: config,
+            sessions: Sessions::default(),
+            ledger: Ledger::default(),
+            attempts: HashMap::new(),
+            queue: BTreeMap::new(),
+            leases: HashMap::new(),
+            geometry: None,
+            next_attempt: 1,
+            next_lease: 1,
+            epoch: 0,
+            pending: 0,
+            stats: GateStats::new(),
+        })
+    }
+
+    /// The knobs.
+    pub fn config(&self) -> &GateConfig {
+        &self.cfg
+    }
+
+    /// Starts an admission attempt for one turn of `session_id`. Older attempts of the same
+    /// session that are not admitted yet are preempted: their next poll answers
+    /// [`Action::Preempted`], and this attempt takes over their place in the FIFO.
+    pub fn begin(
+        &mut self,
+        session_id: &str,
+        prompt_tokens: usize,
+        max_tokens: usize,
+        retain_session: bool,
+        now: f64,
+    ) -> AttemptId {
+        self.expire(now);
+        let slot = self.sessions.get_or_insert(session_id);
+        let id = self.next_attempt;
+        self.next_attempt += 1;
+        let mut order = id;
+        let mut queued = false;
+        if let Some(old_id) = self.sessions.get(slot).pending {
+            let old = self
+                .attempts
+                .get_mut(&old_id)
+                .expect("pending attempt exists");
+            old.preempted = true;
+            order = old.order;
+            if old.queued {
+                old.queued = false;
+                queued = true;
+                self.queue.insert(order, id);
+            }
+            self.sessions.get_mut(slot).num_preempted += 1;
+            self.pending -= 1;
+            self.stats.preemptions += 1;
+            // The old attempt may be asleep in a Wait: wake it so it learns.
+            self.epoch += 1;
+        }
+        let session = self.sessions.get_mut(slot);
+        session.pending = Some(id);
+        session.attempts += 1;
+        self.attempts.insert(
+            id,
+            Attempt {
+                slot,
+                order,
+                ws_tokens: prompt_tokens as u64 + max_tokens as u64,
+                started: now,
+                phase: Phase::AwaitUsage,
+                usage: None,
+                usage_epoch: self.epoch,
+                hit: Hit::NotAsked,
+                retain: retain_session,
+                preempted: false,
+                queued,
+                revoked: false,
+            },
+        );
+        self.pending += 1;
+        self.stats.attempts += 1;
+        AttemptId(id)
+    }
+
+    /// What the driver must do next for `attempt`. Purges expired grace windows first.
+    /// `Err(StaleHandle)` if the attempt is unknown (already admitted, preempted or cancelled).
+    pub fn poll(&mut self, attempt: AttemptId, now: f64) -> Result<Action> {
+        self.expire(now);
+        let id = attempt.0;
+        let Some(a) = self.attempts.get(&id) else {
+            return Err(stale_attempt(attempt));
+        };
+        if a.preempted {
+            let slot = a.slot;
+            self.attempts.remove(&id);
+            self.sessions.get_mut(slot).attempts -= 1;
+            self.sessions.gc(slot);
+            return Ok(Action::Preempted);
+        }
+        let step = match a.phase {
+            Phase::AwaitUsage => return Ok(Action::ProbeUsage),
+            Phase::AwaitPrefix => return Ok(Action::ProbePrefix),
+            Phase::Waiting { until, seen_epoch } => {
+                let woken = seen_epoch != self.epoch && self.may_open(a.order);
+                if now < until && !woken {
+                    return Ok(Action::Wait { until });
+                }
+                Step::Restart
+            }
+            Phase::Decide => self.decide_on_usage(id),
+            Phase::DecidePrefix => self.decide_on_prefix(id, now),
+        };
+        Ok(match step {
+            Step::Admit(reason) => Action::Admit(self.admit(id, reason, now)),
+            Step::Prefix => {
+                self.attempt_mut(id).phase = Phase::AwaitPrefix;
+                Action::ProbePrefix
+            }
+            Step::Wait => Action::Wait {
+                until: self.wait(id, now),
+            },
+            Step::Restart => {
+                let a = self.attempt_mut(id);
+                a.phase = Phase::AwaitUsage;
+                a.hit = Hit::NotAsked;
+                Action::ProbeUsage
+            }
+        })
+    }
+
+    /// The usage probe's answer for `attempt` (`Err` = unavailable, timed out included). An
+    /// answer the attempt is not waiting for is ignored.
+    pub fn on_usage(
+        &mut self,
+        attempt: AttemptId,
+        report: std::result::Result<UsageReport, String>,
+        _now: f64,
+    ) -> Result<()> {
+        let epoch = self.epoch;
+        let a = self
+            .attempts
+            .get_mut(&attempt.0)
+            .ok_or_else(|| stale_attempt(attempt))?;
+        if a.phase != Phase::AwaitUsage || a.preempted {
+            return Ok(());
+        }
+        let report = report.ok().filter(|r| r.problem().is_none());
+        a.usage = report.map(|r| r.kv_cache_usage);
+        a.usage_epoch = epoch;
+        a.phase = Phase::Decide;
+        if let Some(r) = report {
+            self.set_geometry(Geometry {
+                num_blocks: r.num_blocks,
+                block_size: r.block_size,
+            });
+        }
+        Ok(())
+    }
+
+    /// The prefix probe's answer for `attempt` (`Err` = unavailable, timed out included). An
+    /// answer the attempt is not waiting for is ignored.
+    pub fn on_prefix(
+        &mut self,
+        attempt: AttemptId,
+        report: std::result::Result<PrefixReport, String>,
+        _now: f64,
+    ) -> Result<()> {
+        let a = self
+            .attempts
+            .get_mut(&attempt.0)
+            .ok_or_else(|| stale_attempt(attempt))?;
+        if a.phase != Phase::AwaitPrefix || a.preempted {
+            return Ok(());
+        }
+        a.hit = match report {
+            Ok(r) if r.problem().is_none() => Hit::Ratio(r.hit_ratio),
+            _ => Hit::Unavailable,
+        };
+        a.phase = Phase::DecidePrefix;
+        Ok(())
+    }
+
+    /// Records one probe call's latency; `ok = false` counts a failure (error or timeout).
+    pub fn record_probe(&mut self, kind: ProbeKind, secs: f64, ok: bool) {
+        let p = &mut self.stats.probes[kind.index()];
+        p.latency.observe(secs);
+        if !ok {
+            p.failures += 1;
+        }
+    }
+
+    /// The attempt's caller went away: forget it completely (queue slot included). Returns
+    /// false if the attempt was unknown. A cancelled preempted attempt stays counted as
+    /// preempted.
+    pub fn cancel(&mut self, attempt: AttemptId, now: f64) -> bool {
+        self.expire(now);
+        let Some(a) = self.attempts.remove(&attempt.0) else {
+            return false;
+        };
+        if !a.preempted {
+            self.pending -= 1;
+            self.stats.cancellations += 1;
+            let session = self.sessions.get_mut(a.slot);
+            if session.pending == Some(attempt.0) {
+                session.pending = None;
+            }
+        }
+        self.sessions.get_mut(a.slot).attempts -= 1;
+        self.dequeue(&a);
+        self.sessions.gc(a.slot);
+        true
+    }
+
+    /// Releases a lease. With `retain_session` its reservation turns into an idle grace window
+    /// of `idle_grace_sec`; otherwise it is dropped. Returns false (and does nothing) if the
+    /// lease is unknown, e.g. released already.
+    pub fn release(&mut self, lease: LeaseId, now: f64) -> bool {
+        self.release_inner(lease, now, false)
+    }
+
+    /// Like [`GateCore::release`], for a lease its holder dropped without releasing; counted
+    /// in `leases_dropped_unreleased`.
+    pub fn release_dropped(&mut self, lease: LeaseId, now: f64) -> bool {
+        self.release_inner(lease, now, true)
+    }
+
+    /// Ends the session's ownership window at once (in flight or idle). Returns whether there
+    /// was one. The driver then calls the probe's optional `forget`.
+    pub fn finish_session(&mut self, session_id: &str, now: f64) -> bool {
+        self.expire(now);
+        let Some(slot) = self.sessions.slot_of(session_id) else {
+            return false;
+        };
+        let ended = self.drop_reservation(slot);
+        if ended {
+            self.stats.sessions_finished += 1;
+            self.epoch += 1;
+        }
+        self.sessions.gc(slot);
+        ended
+    }
+
+    /// Purges grace windows that ended by `now`; returns how many. Every `begin`, `poll`,
+    /// `cancel` and `finish_session` does this first, so calling it is optional: expired
+    /// windows are purged lazily by whichever caller looks next.
+    pub fn expire(&mut self, now: f64) -> usize {
+        let mut n = 0;
+        while let Some((slot, age)) = self.ledger.pop_expired(now) {
+            let session = self.sessions.get_mut(slot);
+            let Some(res) = session.reservation.take_if(|r| r.age == age) else {
+                continue;
+            };
+            self.ledger.close(res.age, None);
+            self.stats.grace_expired += 1;
+            self.sessions.gc(slot);
+            n += 1;
+        }
+        if n > 0 {
+            self.epoch += 1;
+        }
+        n
+    }
+
+    /// Increases whenever waiters should poll again (see the module docs).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// When the earliest idle grace window ends, i.e. when a purge will be due. Waiters are
+    /// also given their own deadline in [`Action::Wait`].
+    pub fn next_deadline(&self) -> Option<f64> {
+        self.ledger.next_expiry()
+    }
+
+    /// How many attempts of this session were preempted while the core has known it (state is
+    /// dropped once a session holds nothing and has nothing pending).
+    pub fn num_preempted(&self, session_id: &str) -> u32 {
+        self.sessions
+            .slot_of(session_id)
+            .map_or(0, |slot| self.sessions.get(slot).num_preempted)
+    }
+
+    /// Whether the session currently holds a reservation (in flight or idle).
+    pub fn has_reservation(&self, session_id: &str) -> bool {
+        self.sessions
+            .slot_of(session_id)
+            .is_some_and(|slot| self.sessions.get(slot).reservation.is_some())
+    }
+
+    /// A snapshot of every counter and gauge.
+    pub fn stats(&self) -> GateStats {
+        let mut s = self.stats.clone();
+        s.leases_active = self.leases.len() as u64;
+        s.reservations_held = self.ledger.len() as u64;
+        s.reservations_idle = self.ledger.idle_len() as u64;
+        s.committed_blocks = self.ledger.committed();
+        s.pending = self.pending;
+        s.waiting = self.queue.len() as u64;
+        s.sessions = self.sessions.len() as u64;
+        s
+    }
+
+    /// Prometheus text exposition of [`GateCore::stats`].
+    pub fn prometheus(&self) -> String {
+        self.stats().prometheus()
+    }
+
+    /// Approximate heap bytes held by the core's tables (sessions, reservations, attempts,
+    /// leases, queue). The benchmark also measures it with a counting allocator.
+    pub fn approx_bytes(&self) -> usize {
+        let map = |cap: usize, entry: usize| cap * (entry + 1);
+        size_of::<Self>()
+            + self.sessions.approx_bytes()
+            + self.ledger.approx_bytes()
+            + map(self.attempts.capacity(), size_of::<(u64, Attempt)>())
+            + map(self.leases.capacity(), size_of::<(u64, LeaseRec)>())
+            + self.queue.len() * (size_of::<(u64, u64)>() * 3 / 2 + 8)
+    }
+
+    /// Checks the core's internal bookkeeping against itself; `Err` describes the first
+    /// inconsistency. For tests and debugging: it walks every table.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut committed = 0;
+        let mut reservations = 0;
+        let mut idle = 0;
+        let mut attempts_per_slot: HashMap<u32, u32> = HashMap::new();
+        let mut leases_per_slot: HashMap<u32, u32> = HashMap::new();
+        for a in self.attempts.values() {
+            *attempts_per_slot.entry(a.slot).or_default() += 1;
+        }
+        for l in self.leases.values() {
+            *leases_per_slot.entry(l.slot).or_default() += 1;
+        }
+        for (slot, s) in self.sessions.iter() {
+            if let Some(r) = &s.reservation {
+                committed += r.ws_blocks;
+                reservations += 1;
+                idle += usize::from(r.idle_until.is_some());
+                if (r.holders == 0) != r.idle_until.is_some() {
+                    return Err(format!("session {}: holders/idle mismatch", s.id));
+                }
+            }
+            if s.attempts != attempts_per_slot.get(&slot).copied().unwrap_or(0) {
+                return Err(format!("session {}: attempt count", s.id));
+            }
+            if s.leases != leases_per_slot.get(&slot).copied().unwrap_or(0) {
+                return Err(format!("session {}: lease count", s.id));
+            }
+            if s.reservation.is_none() && s.attempts == 0 && s.leases == 0 {
+                return Err(format!("session {}: idle but kept", s.id));
+            }
+        }
+        if committed != self.ledger.committed() || reservations != self.ledger.len() {
+            return Err("ledger totals differ from the session table".into());
+        }
+        if idle != self.ledger.idle_len() {
+            return Err("idle reservations differ from the expiry index".into());
+        }
+        for (order, id) in &self.queue {
+            match self.attempts.get(id) {
+                Some(a) if a.queued && a.order == *order && !a.preempted => {}
+                _ => return Err(format!("queue entry {order} → {id} is stale")),
+            }
+        }
+        let live = self.attempts.values().filter(|a| !a.preempted).count() as u64;
+        if live != self.pending {
+            return Err("pending count".into());
+        }
+        let s = self.stats();
+        if s.attempts != s.admissions_total() + s.preemptions + s.cancellations + s.pending {
+            return Err("attempts != admitted + preempted + cancelled + pending".into());
+        }
+        if s.admissions_total() != s.leases_released + s.leases_dropped_unreleased + s.leases_active
+        {
+            return Err("leases issued != released + dropped + active".into());
+        }
+        Ok(())
+    }
+
+    // ---- decisions -------------------------------------------------------------------------
+
+    fn decide_on_usage(&mut self, id: u64) -> Step {
+        let a = &self.attempts[&id];
+        let (slot, order, usage) = (a.slot, a.order, a.usage);
+        let ws = self.blocks(a.ws_tokens);
+        let fifo_ok = self.may_open(order);
+        let hw = self.cfg.high_watermark;
+        match self.cfg.pressure {
+            Pressure::Engine => {
+                // Unknown usage: assume pressure, the seed's safe side.
+                if usage.is_some_and(|u| u < hw) && fifo_ok {
+                    return Step::Admit(Reason::Open);
+                }
+                if self.sessions.get(slot).reservation.is_some() {
+                    return Step::Admit(Reason::ReservedSession);
+                }
+                Step::Prefix
+            }
+            Pressure::Committed => {
+                let usage = usage.unwrap_or(0.0);
+                let committed = self.ledger.committed();
+                if let Some(res) = &self.sessions.get(slot).reservation {
+                    let (age, old_ws) = (res.age, res.ws_blocks);
+                    if let (Some(g), Some(ws)) = (self.geometry, ws) {
+                        let line = hw * g.num_blocks as f64;
+                        let updated = committed - old_ws + ws;
+                        // Fast path: the whole committed set fits, so no prefix of it can overflow.
+                        let revoke = updated as f64 > line && {
+                            let older = self.ledger.older_than(age);
+                            older > 0 && (older + ws) as f64 > line
+                        };
+                        if !revoke {
+                            let calm = usage < hw && updated as f64 <= line;
+                            return Step::Admit(if calm && fifo_ok {
+                                Reason::Open
+                            } else {
+                                Reason::ReservedSession
+                            });
+                        }
+                        self.drop_reservation(slot);
+                        self.stats.revocations += 1;
+                        self.epoch += 1;
+                        let epoch = self.epoch;
+                        let a = self.attempt_mut(id);
+                        a.revoked = true;
+                        // Our own revocation is not news that should restart our cycle.
+                        a.usage_epoch = epoch;
+                    } else {
+                        return Step::Admit(Reason::ReservedSession);
+                    }
+                }
+                let committed = self.ledger.committed();
+                if fifo_ok {
+                    if committed == 0 {
+                        return Step::Admit(Reason::Open);
+                    }
+                    if let (Some(g), Some(ws)) = (self.geometry, ws) {
+                        let line = hw * g.num_blocks as f64;
+                        if usage < hw && (committed + ws) as f64 <= line {
+                            return Step::Admit(Reason::Open);
+                        }
+                    }
+                }
+                Step::Prefix
+            }
+        }
+    }
+
+    fn decide_on_prefix(&mut self, id: u64, now: f64) -> Step {
+        let a = &self.attempts[&id];
+        match a.hit {
+            Hit::Unavailable => return Step::Admit(Reason::PrefixProbeUnavailable),
+            Hit::Ratio(h) if h >= self.cfg.hit_threshold && self.fits_whole_cache(a) => {
+                return Step::Admit(Reason::ResidentPrefix);
+            }
+            _ => {}
+        }
+        if self.cfg.max_wait_sec.is_some_and(|m| now - a.started >= m) {
+            return Step::Admit(Reason::MaxWait);
+        }
+        if a.usage_epoch != self.epoch && self.may_open(a.order) {
+            // Something was released since the usage probe: look again before sleeping.
+            return Step::Restart;
+        }
+        Step::Wait
+    }
+
+    fn fits_whole_cache(&self, a: &Attempt) -> bool {
+        match (self.cfg.pressure, self.geometry, self.blocks(a.ws_tokens)) {
+            (Pressure::Committed, Some(g), Some(ws)) => {
+                self.ledger.committed() + ws <= g.num_blocks
+            }
+            _ => true,
+        }
+    }
+
+    /// No queued attempt is ahead of this order key.
+    fn may_open(&self, order: u64) -> bool {
+        self.queue.range(..order).next().is_none()
+    }
+
+    fn blocks(&self, tokens: u64) -> Option<u64> {
+        self.geometry.map(|g| tokens.div_ceil(g.block_size))
+    }
+
+    // ---- state changes ---------------------------------------------------------------------
+
+    fn attempt_mut(&mut self, id: u64) -> &mut Attempt {
+        self.attempts.get_mut(&id).expect("live attempt")
+    }
+
+    fn wait(&mut self, id: u64, now: f64) -> f64 {
+        let poll = now + self.cfg.wait_poll_sec;
+        let max_wait = self.cfg.max_wait_sec;
+        let epoch = self.epoch;
+        let a = self.attempts.get_mut(&id).expect("live attempt");
+        if !a.queued {
+            a.queued = true;
+            self.queue.insert(a.order, id);
+        }
+        let mut until = poll;
+        if let Some(m) = max_wait {
+            until = until.min(a.started + m);
+        }
+        let order = a.order;
+        // The head also wakes when a grace window ends, since that frees room for it.
+        if self.may_open(order)
+            && let Some(t) = self.ledger.next_expiry()
+        {
+            until = until.min(t.max(now));
+        }
+        let a = self.attempt_mut(id);
+        a.phase = Phase::Waiting {
+            until,
+            seen_epoch: epoch,
+        };
+        until
+    }
+
+    fn dequeue(&mut self, a: &Attempt) {
+        if a.queued {
+            let was_head = self.queue.keys().next() == Some(&a.order);
+            self.queue.remove(&a.order);
+            if was_head {
+                // The next in line may fit now.
+                self.epoch += 1;
+            }
+        }
+    }
+
+    fn admit(&mut self, id: u64, reason: Reason, now: f64) -> Admission {
+        let a = self.attempts.remove(&id).expect("live attempt");
+        self.dequeue(&a);
+        self.pending -= 1;
+        let ws_blocks = self.blocks(a.ws_tokens);
+        let session = self.sessions.get_mut(a.slot);
+        session.attempts -= 1;
+        session.leases += 1;
+        if session.pending == Some(id) {
+            session.pending = None;
+        }
+        let takes = match self.cfg.pressure {
+            Pressure::Committed => true,
+            Pressure::Engine => {
+                session.reservation.is_some() || (reason != Reason::Open && a.retain)
+            }
+        };
+        let mut reservation = None;
+        if takes {
+            let blocks = ws_blocks.unwrap_or(0);
+            match &mut session.reservation {
+                Some(res) => {
+                    self.ledger.resize(res.age, res.ws_blocks, blocks);
+                    if let Some(t) = res.idle_until.take() {
+                        self.ledger.clear_idle(res.age, t);
+                    }
+                    res.ws_tokens = a.ws_tokens;
+                    res.ws_blocks = blocks;
+                    res.holders += 1;
+                    res.retain = a.retain;
+                    reservation = Some(res.age);
+                }
+                None => {
+                    let age = self.ledger.open(blocks);
+                    session.reservation = Some(Reservation {
+                        age,
+                        ws_tokens: a.ws_tokens,
+                        ws_blocks: blocks,
+                        holders: 1,
+                        retain: a.retain,
+                        idle_until: None,
+                    });
+                    reservation = Some(age);
+                }
+            }
+        }
+        let num_preempted = session.num_preempted;
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        self.leases.insert(
+            lease,
+            LeaseRec {
+                slot: a.slot,
+                reservation,
+            },
+        );
+        let wait_sec = (now - a.started).max(0.0);
+        self.stats.admissions[reason.index()] += 1;
+        self.stats.wait.observe(wait_sec);
+        let pressure = match (self.cfg.pressure, self.geometry) {
+            (Pressure::Engine, _) => a.usage,
+            (Pressure::Committed, Some(g)) => {
+                let committed = self.ledger.committed() as f64 / g.num_blocks as f64;
+                Some(a.usage.unwrap_or(0.0).max(committed))
+            }
+            (Pressure::Committed, None) => None,
+        };
+        Admission {
+            lease: LeaseId(lease),
+            reason,
+            wait_sec,
+            usage: a.usage,
+            pressure,
+            hit_ratio: match a.hit {
+                Hit::Ratio(h) => Some(h),
+                _ => None,
+            },
+            retain_session: a.retain,
+            reserved: reservation.is_some(),
+            revoked: a.revoked,
+            working_set_blocks: ws_blocks,
+            num_preempted,
+        }
+    }
+
+    fn release_inner(&mut self, lease: LeaseId, now: f64, dropped: bool) -> bool {
+        let Some(rec) = self.leases.remove(&lease.0) else {
+            return false;
+        };
+        let grace = self.cfg.idle_grace_sec;
+        let session = self.sessions.get_mut(rec.slot);
+        session.leases -= 1;
+        let mut drop_it = false;
+        if let Some(res) = &mut session.reservation
+            && rec.reservation == Some(res.age)
+        {
+            res.holders -= 1;
+            if res.holders == 0 {
+                if res.retain && grace > 0.0 {
+                    let until = now + grace;
+                    res.idle_until = Some(until);
+                    self.ledger.set_idle(res.age, until, rec.slot);
+                } else {
+                    drop_it = true;
+                }
+            }
+        }
+        if drop_it {
+            self.drop_reservation(rec.slot);
+        }
+        self.sessions.gc(rec.slot);
+        if dropped {
+            self.stats.leases_dropped_unreleased += 1;
+        } else {
+            self.stats.leases_released += 1;
+        }
+        // Released work lowers vLLM's usage even when no reservation moved.
+        self.epoch += 1;
+        true
+    }
+
+    /// Ends the session's reservation, if any; does not free the slot.
+    fn drop_reservation(&mut self, slot: u32) -> bool {
+        match self.sessions.get_mut(slot).reservation.take() {
+            Some(res) => {
+                self.ledger.close(res.age, res.idle_until);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn set_geometry(&mut self, g: Geometry) {
+        let block_size_changed = self.geometry.map(|old| old.block_size) != Some(g.block_size);
+        self.geometry = Some(g);
+        if block_size_changed {
+            // Working sets were counted with another (or no) block size: recount them all.
+            for s in self.sessions.iter_mut() {
+                if let Some(res) = &mut s.reservation {
+                    let blocks = res.ws_tokens.div_ceil(g.block_size);
+                    self.ledger.resize(res.age, res.ws_blocks, blocks);
+                    res.ws_blocks = blocks;
+                }
+            }
+        }
+    }
+}
+
+fn stale_attempt(attempt: AttemptId) -> Error {
+    Error::StaleHandle(format!("attempt {}", attempt.0))
+}

@@ -1,0 +1,21 @@
+//! The admission gate: a sans-IO state machine ([`GateCore`]) that owns every decision, and a
+//! tokio driver ([`Gate`]) that carries out its probes and waits.
+//!
+//! The decision tree, what FIFO means and how waiters are woken are documented on the
+//! [`core`] module.
+pub mod config;
+pub mod core;
+pub mod driver;
+mod ledger;
+pub mod metrics;
+mod session;
+pub mod testing;
+pub mod types;
+
+pub use self::config::{GateConfig, Pressure};
+pub use self::core::GateCore;
+pub use self::driver::{Gate, Lease, Probe, ProbeFuture};
+pub use self::metrics::GateStats;
+pub use self::types::{
+    Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,
+};

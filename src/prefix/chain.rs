@@ -1,0 +1,296 @@
+//! One session's hash chain and the lazy longest-prefix walk over it.
+use super::fingerprint::{PrefixFp, block_fp};
+use super::{WalkResult, max_hit_blocks};
+use crate::hashing::{BlockHash, BlockHasher};
+
+/// Blocks per storage segment. Chains grow a turn at a time; fixed segments mean growing never
+/// copies the chain (a realloc of ~100 KB cost more than the rest of a probe) and leaves at
+/// most one partly used segment (3 KB with SHA-256) of slack, which the budget counts.
+const SEGMENT_BLOCKS: usize = 64;
+
+/// Storage for up to [`SEGMENT_BLOCKS`] consecutive blocks, allocated at full size.
+#[derive(Debug)]
+struct Segment {
+    /// Digests back to back, `stride` bytes each (all from one algorithm).
+    hashes: Vec<u8>,
+    fps: Vec<u128>,
+}
+
+impl Segment {
+    fn new(stride: usize) -> Self {
+        Self {
+            hashes: Vec::with_capacity(SEGMENT_BLOCKS * stride),
+            fps: Vec::with_capacity(SEGMENT_BLOCKS),
+        }
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.hashes.capacity() + self.fps.capacity() * size_of::<u128>()
+    }
+}
+
+/// The vLLM hashes of the first blocks of one token sequence (the session's last prompt(s)),
+/// with what is needed to tell, cheaply, whether a new prompt starts with the same blocks.
+///
+/// Invariant: block `i`'s fingerprint and vLLM hash are at `segments[i / SEGMENT_BLOCKS]`,
+/// slot `i % SEGMENT_BLOCKS`; `prefix_fp` is the fingerprint of all `len` blocks' tokens in
+/// order; all blocks come from one token sequence.
+#[derive(Debug, Default)]
+pub(super) struct Chain {
+    segments: Vec<Segment>,
+    len: usize,
+    prefix_fp: u128,
+}
+
+impl Chain {
+    /// Number of blocks in the chain.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Heap bytes held (capacity, not length: that is what the allocator gave us).
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.segments.capacity() * size_of::<Segment>()
+            + self.segments.iter().map(Segment::heap_bytes).sum::<usize>()
+    }
+
+    /// Heap bytes of a chain of `blocks` blocks with `stride`-byte digests, at the least.
+    pub(super) fn heap_bytes_for(blocks: usize, stride: usize) -> usize {
+        let segments = blocks.div_ceil(SEGMENT_BLOCKS);
+        segments * (size_of::<Segment>() + SEGMENT_BLOCKS * (stride + size_of::<u128>()))
+    }
+
+    /// The most blocks a chain fits in `bytes`, in whole segments.
+    pub(super) fn blocks_within(bytes: usize, stride: usize) -> usize {
+        let segment = Self::heap_bytes_for(SEGMENT_BLOCKS, stride);
+        bytes / segment * SEGMENT_BLOCKS
+    }
+
+    #[inline]
+    pub(super) fn hash(&self, i: usize, stride: usize) -> BlockHash {
+        let at = (i % SEGMENT_BLOCKS) * stride;
+        BlockHash::from_digest(&self.segments[i / SEGMENT_BLOCKS].hashes[at..at + stride])
+    }
+
+    #[inline]
+    fn fp(&self, i: usize) -> u128 {
+        self.segments[i / SEGMENT_BLOCKS].fps[i % SEGMENT_BLOCKS]
+    }
+
+    /// Every hash in the chain, in block order.
+    pub(super) fn hashes(&self, stride: usize) -> Vec<BlockHash> {
+        (0..self.len).map(|i| self.hash(i, stride)).collect()
+    }
+
+    fn truncate(&mut self, blocks: usize, stride: usize) {
+        if blocks >= self.len {
+            return;
+        }
+        self.segments.truncate(blocks.div_ceil(SEGMENT_BLOCKS));
+        if let Some(last) = self.segments.last_mut() {
+            let keep = blocks - (blocks - 1) / SEGMENT_BLOCKS * SEGMENT_BLOCKS;
+            last.hashes.truncate(keep * stride);
+            last.fps.truncate(keep);
+        }
+        self.len = blocks;
+    }
+
+    fn push(&mut self, hash: &BlockHash, fp: u128) {
+        let stride = hash.as_bytes().len();
+        if self.len % SEGMENT_BLOCKS == 0 {
+            self.segments.push(Segment::new(stride));
+        }
+        let last = self.segments.last_mut().expect("a segment with room");
+        last.hashes.extend_from_slice(hash.as_bytes());
+        last.fps.push(fp);
+        self.len += 1;
+    }
+
+    /// Keeps the first `blocks` blocks and returns freed segments to the allocator.
+    /// `tokens` must be the sequence the chain was built from (at least `blocks` blocks).
+    pub(super) fn shrink_to(
+        &mut self,
+        blocks: usize,
+        stride: usize,
+        tokens: &[u32],
+        block_size: usize,
+    ) {
+        self.truncate(blocks, stride);
+        self.segments.shrink_to_fit();
+        self.prefix_fp = PrefixFp::of(&tokens[..self.len * block_size]);
+    }
+
+    /// vLLM's longest-prefix walk over `tokens`, reusing this chain's hashes where the prompt
+    /// has the same blocks and hashing the rest lazily (only blocks the walk reaches).
+    ///
+    /// Afterwards the chain holds this prompt's blocks if any had to be hashed (a block that
+    /// differs drops the chain from there on); otherwise it is left as it was.
+    pub(super) fn walk(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        hasher: &mut BlockHasher,
+        mut is_resident: impl FnMut(&BlockHash) -> bool,
+    ) -> WalkResult {
+        let stride = hasher.algo().digest_len();
+        let lookups = max_hit_blocks(tokens.len(), block_size);
+        let mut result = WalkResult {
+            prompt_tokens: tokens.len(),
+            ..WalkResult::default()
+        };
+
+        // Fast path for the common case (the prompt extends or repeats the chain's sequence):
+        // one streaming fingerprint over the chain's whole token span instead of one per block.
+        // The stream is kept to fingerprint the new chain if the walk extends it.
+        let mut stream = PrefixFp::new();
+        let mut verified = 0;
+        let covered = self.len() * block_size;
+        if lookups > 0 && self.len() > 0 && covered <= tokens.len() {
+            stream.update(&tokens[..covered]);
+            if stream.digest() == self.prefix_fp {
+                verified = self.len();
+            }
+        }
+
+        let mut parent: Option<BlockHash> = None;
+        let mut changed = false;
+        for (i, block) in tokens
+            .chunks_exact(block_size.max(1))
+            .take(lookups)
+            .enumerate()
+        {
+            // Past the fast path, a stored block is reused only if its own fingerprint matches.
+            let reusable = i < self.len() && (i < verified || self.fp(i) == block_fp(block));
+            let hash = if reusable {
+                result.blocks_reused += 1;
+                self.hash(i, stride)
+            } else {
+                // The chain's block i (if any) differs, so everything from i on is stale.
+                self.truncate(i, stride);
+                let hash = hasher.hash_block(parent.as_ref(), block);
+                self.push(&hash, block_fp(block));
+                result.blocks_hashed += 1;
+                changed = true;
+                hash
+            };
+            if !is_resident(&hash) {
+                break;
+            }
+            result.hit_blocks += 1;
+            parent = Some(hash);
+        }
+        result.hit_tokens = result.hit_blocks * block_size;
+
+        if changed {
+            // The chain is now exactly this prompt's first `len()` blocks.
+            let end = self.len() * block_size;
+            if stream.tokens() > end {
+                stream = PrefixFp::new();
+            }
+            stream.update(&tokens[stream.tokens()..end]);
+            self.prefix_fp = stream.digest();
+        }
+        result
+    }
+}
+
+/// vLLM's longest-prefix walk with nothing cached: hash block by block, stop at the first miss.
+pub(super) fn walk_uncached(
+    tokens: &[u32],
+    block_size: usize,
+    hasher: &mut BlockHasher,
+    mut is_resident: impl FnMut(&BlockHash) -> bool,
+) -> WalkResult {
+    let lookups = max_hit_blocks(tokens.len(), block_size);
+    let mut result = WalkResult {
+        prompt_tokens: tokens.len(),
+        ..WalkResult::default()
+    };
+    let mut parent: Option<BlockHash> = None;
+    for block in tokens.chunks_exact(block_size.max(1)).take(lookups) {
+        let hash = hasher.hash_block(parent.as_ref(), block);
+        result.blocks_hashed += 1;
+        if !is_resident(&hash) {
+            break;
+        }
+        result.hit_blocks += 1;
+        parent = Some(hash);
+    }
+    result.hit_tokens = result.hit_blocks * block_size;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::HashAlgo;
+
+    #[test]
+    fn segments_hold_exactly_what_was_pushed() {
+        let hashes: Vec<BlockHash> = (0..200u8)
+            .map(|i| BlockHash::from_bytes(&[i; 16]).unwrap())
+            .collect();
+        let mut chain = Chain::default();
+        for (i, h) in hashes.iter().enumerate() {
+            chain.push(h, i as u128);
+        }
+        assert_eq!(chain.hashes(16), hashes);
+        assert_eq!(chain.heap_bytes(), Chain::heap_bytes_for(200, 16));
+        for keep in [199, 129, 128, 127, 64, 1, 0] {
+            chain.truncate(keep, 16);
+            assert_eq!(chain.hashes(16), hashes[..keep], "keep {keep}");
+            assert!((0..keep).all(|i| chain.fp(i) == i as u128));
+        }
+        chain.push(&hashes[5], 5);
+        assert_eq!(chain.hashes(16), [hashes[5]]);
+        assert_eq!(
+            Chain::blocks_within(Chain::heap_bytes_for(130, 32), 32),
+            192
+        );
+        assert_eq!(
+            Chain::blocks_within(Chain::heap_bytes_for(128, 32), 32),
+            128
+        );
+    }
+
+    fn hasher() -> BlockHasher {
+        BlockHasher::new(HashAlgo::Sha256, &[0x42; 32]).unwrap()
+    }
+
+    #[test]
+    fn prefix_fp_tracks_the_chain_after_every_change() {
+        let mut h = hasher();
+        let mut chain = Chain::default();
+        let mut tokens: Vec<u32> = (0..100).collect();
+        chain.walk(&tokens, 4, &mut h, |_| true);
+        assert_eq!(chain.len(), 24);
+        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..96]));
+
+        tokens.extend(100..140);
+        chain.walk(&tokens, 4, &mut h, |_| true);
+        assert_eq!(chain.len(), 34);
+        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..136]));
+
+        tokens[10] = 9999;
+        chain.walk(&tokens, 4, &mut h, |_| true);
+        assert_eq!(chain.len(), 34);
+        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..136]));
+
+        chain.shrink_to(5, 32, &tokens, 4);
+        assert_eq!(chain.len(), 5);
+        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..20]));
+        assert_eq!(chain.heap_bytes(), Chain::heap_bytes_for(5, 32));
+    }
+
+    #[test]
+    fn a_miss_inside_a_reused_prefix_leaves_the_chain_alone() {
+        let mut h = hasher();
+        let mut chain = Chain::default();
+        let tokens: Vec<u32> = (0..65).collect();
+        chain.walk(&tokens, 4, &mut h, |_| true);
+        let before = chain.hashes(32);
+        let r = chain.walk(&tokens, 4, &mut h, |_| false);
+        assert_eq!((r.hit_blocks, r.blocks_hashed, r.blocks_reused), (0, 0, 1));
+        assert_eq!(chain.hashes(32), before);
+    }
+}

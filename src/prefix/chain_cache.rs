@@ -1,0 +1,272 @@
+//! `ChainCache`: per-session hash chains under a byte budget, least recently used out first.
+use std::collections::{BTreeMap, HashMap};
+
+use super::chain::{Chain, walk_uncached};
+use super::{WalkResult, max_hit_blocks};
+use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
+
+/// Bookkeeping bytes per session besides its chain and id: the hash-map slot (at hashbrown's
+/// 7/8 load factor, plus its control byte) and the LRU index entry (B-tree nodes run about
+/// half full, so twice the entry size).
+const PER_SESSION_OVERHEAD: usize =
+    size_of::<(Box<str>, Entry)>() * 8 / 7 + 1 + 2 * size_of::<(u64, Box<str>)>();
+
+/// One cached session.
+#[derive(Debug)]
+struct Entry {
+    chain: Chain,
+    /// Key of this session in the LRU index.
+    last_used: u64,
+}
+
+/// What the cached chains were hashed with; a different configuration invalidates them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ChainConfig {
+    algo: HashAlgo,
+    none_hash: BlockHash,
+    block_size: usize,
+}
+
+/// Remembers each session's vLLM block-hash chain so repeated probes of a growing prompt only
+/// hash the new blocks, and runs vLLM's longest-prefix walk over it.
+///
+/// One `ChainCache` serves one engine: it records the hash algorithm, `NONE_HASH` and block
+/// size of the chains it holds and drops them all if a walk comes with different ones.
+/// Memory is bounded by `budget_bytes`; the least recently walked sessions are evicted first.
+#[derive(Debug)]
+pub struct ChainCache {
+    budget_bytes: usize,
+    bytes: usize,
+    config: Option<ChainConfig>,
+    sessions: HashMap<Box<str>, Entry>,
+    /// `last_used` tick → session id, oldest first.
+    lru: BTreeMap<u64, Box<str>>,
+    tick: u64,
+}
+
+impl ChainCache {
+    /// An empty cache that holds at most about `budget_bytes` of chains and bookkeeping.
+    pub fn new(budget_bytes: usize) -> Self {
+        Self {
+            budget_bytes,
+            bytes: 0,
+            config: None,
+            sessions: HashMap::new(),
+            lru: BTreeMap::new(),
+            tick: 0,
+        }
+    }
+
+    /// Walks `tokens` the way vLLM looks up a prompt's cached prefix: block hashes from block 0,
+    /// at most `(tokens.len() - 1) / block_size` of them, stopping at the first one for which
+    /// `is_resident` says false. Hashes are computed lazily with `hasher`, only for blocks the
+    /// walk reaches.
+    ///
+    /// With `session = Some(id)` the session's cached chain is reused for the blocks this prompt
+    /// shares with it and updated with any blocks hashed now; `None` caches nothing.
+    /// A `block_size` of 0 looks nothing up.
+    pub fn walk(
+        &mut self,
+        session: Option<&str>,
+        tokens: &[u32],
+        block_size: usize,
+        hasher: &mut BlockHasher,
+        is_resident: impl FnMut(&BlockHash) -> bool,
+    ) -> WalkResult {
+        let lookups = max_hit_blocks(tokens.len(), block_size);
+        let Some(id) = session.filter(|_| lookups > 0) else {
+            return walk_uncached(tokens, block_size, hasher, is_resident);
+        };
+        self.configure(ChainConfig {
+            algo: hasher.algo(),
+            none_hash: *hasher.none_hash(),
+            block_size,
+        });
+
+        self.tick += 1;
+        let tick = self.tick;
+        if !self.sessions.contains_key(id) {
+            self.sessions.insert(
+                id.into(),
+                Entry {
+                    chain: Chain::default(),
+                    last_used: tick,
+                },
+            );
+            self.lru.insert(tick, id.into());
+            self.bytes += Self::session_bytes(id, &Chain::default());
+        }
+        let entry = self.sessions.get_mut(id).expect("inserted above");
+        if entry.last_used != tick {
+            // Move to the young end; the id's allocation moves with it.
+            let name = self
+                .lru
+                .remove(&entry.last_used)
+                .expect("LRU indexes every session");
+            self.lru.insert(tick, name);
+            entry.last_used = tick;
+        }
+
+        let before = entry.chain.heap_bytes();
+        let result = entry.chain.walk(tokens, block_size, hasher, is_resident);
+        self.bytes = self.bytes - before + entry.chain.heap_bytes();
+        if self.bytes > self.budget_bytes {
+            self.enforce_budget(id, tokens, result.blocks_hashed > 0);
+        }
+        result
+    }
+
+    /// Drops `session`'s chain; returns whether it was cached.
+    pub fn forget(&mut self, session: &str) -> bool {
+        let Some((id, entry)) = self.sessions.remove_entry(session) else {
+            return false;
+        };
+        self.lru.remove(&entry.last_used);
+        self.bytes -= Self::session_bytes(&id, &entry.chain);
+        true
+    }
+
+    /// Drops every chain.
+    pub fn clear(&mut self) {
+        self.sessions.clear();
+        self.lru.clear();
+        self.bytes = 0;
+    }
+
+    /// Memory held for the cached sessions: hashes, fingerprints, session ids (stored twice:
+    /// map key and LRU index) and per-session map and index entries. Always `<= budget_bytes`.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Number of cached sessions.
+    pub fn len(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Whether no session is cached.
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty()
+    }
+
+    /// The byte budget given to [`ChainCache::new`].
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
+    /// Whether `session` has a cached chain.
+    pub fn contains(&self, session: &str) -> bool {
+        self.sessions.contains_key(session)
+    }
+
+    /// A copy of `session`'s cached block hashes, in block order (for diagnostics and tests).
+    pub fn session_hashes(&self, session: &str) -> Option<Vec<BlockHash>> {
+        let stride = self.config?.algo.digest_len();
+        Some(self.sessions.get(session)?.chain.hashes(stride))
+    }
+
+    /// Forgets everything if the chains were hashed under another configuration.
+    fn configure(&mut self, config: ChainConfig) {
+        if self.config != Some(config) {
+            self.clear();
+            self.config = Some(config);
+        }
+    }
+
+    fn session_bytes(id: &str, chain: &Chain) -> usize {
+        PER_SESSION_OVERHEAD + 2 * id.len() + chain.heap_bytes()
+    }
+
+    /// Evicts other sessions, oldest first; if `current` alone is still too big, keeps only as
+    /// many of its leading blocks as fit (its chain is `tokens`' prefix when it just `grew`).
+    fn enforce_budget(&mut self, current: &str, tokens: &[u32], grew: bool) {
+        while self.bytes > self.budget_bytes {
+            let oldest = self.lru.first_key_value().map(|(_, id)| id.clone());
+            match oldest {
+                Some(id) if *id != *current => {
+                    self.forget(&id);
+                }
+                _ => break,
+            }
+        }
+        if self.bytes <= self.budget_bytes {
+            return;
+        }
+        let config = self
+            .config
+            .expect("configured before any session is cached");
+        let stride = config.algo.digest_len();
+        let entry = self
+            .sessions
+            .get_mut(current)
+            .expect("current session is cached");
+        let others = self.bytes - Self::session_bytes(current, &entry.chain);
+        let room = self
+            .budget_bytes
+            .saturating_sub(others + Self::session_bytes(current, &Chain::default()));
+        let blocks = Chain::blocks_within(room, stride);
+        if grew && blocks > 0 && blocks < entry.chain.len() {
+            let before = entry.chain.heap_bytes();
+            entry
+                .chain
+                .shrink_to(blocks, stride, tokens, config.block_size);
+            self.bytes = self.bytes - before + entry.chain.heap_bytes();
+        }
+        if self.bytes > self.budget_bytes {
+            self.forget(current);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hasher() -> BlockHasher {
+        BlockHasher::new(HashAlgo::Sha256, &[1; 32]).unwrap()
+    }
+
+    #[test]
+    fn accounting_returns_to_zero() {
+        let mut cache = ChainCache::new(1 << 20);
+        let mut h = hasher();
+        let tokens: Vec<u32> = (0..1000).collect();
+        cache.walk(Some("a"), &tokens, 16, &mut h, |_| true);
+        cache.walk(Some("bb"), &tokens, 16, &mut h, |_| true);
+        assert!(cache.bytes() > 0);
+        assert!(cache.forget("a"));
+        assert!(!cache.forget("a"));
+        assert!(cache.forget("bb"));
+        assert_eq!(cache.bytes(), 0);
+        assert_eq!(cache.lru.len(), 0);
+    }
+
+    #[test]
+    fn new_configuration_drops_old_chains() {
+        let mut cache = ChainCache::new(1 << 20);
+        let tokens: Vec<u32> = (0..100).collect();
+        cache.walk(Some("a"), &tokens, 16, &mut hasher(), |_| true);
+        assert!(cache.contains("a"));
+        let mut other = BlockHasher::new(HashAlgo::Sha256, &[2; 32]).unwrap();
+        cache.walk(Some("b"), &tokens, 16, &mut other, |_| true);
+        assert!(!cache.contains("a") && cache.contains("b"));
+        cache.walk(Some("b"), &tokens, 32, &mut other, |_| true);
+        assert_eq!(cache.session_hashes("b").unwrap().len(), 3);
+    }
+
+    #[test]
+    fn a_session_bigger_than_the_budget_keeps_a_prefix() {
+        let tokens: Vec<u32> = (0..16 * 100 + 1).collect();
+        let one_session = ChainCache::session_bytes("s", &Chain::default());
+        let budget = one_session + Chain::heap_bytes_for(64, 32) + 100;
+        let mut cache = ChainCache::new(budget);
+        let mut h = hasher();
+        let r = cache.walk(Some("s"), &tokens, 16, &mut h, |_| true);
+        assert_eq!(r.hit_blocks, 100);
+        assert!(cache.bytes() <= budget);
+        assert_eq!(cache.session_hashes("s").unwrap().len(), 64);
+        // The kept prefix is still reused next time.
+        let r = cache.walk(Some("s"), &tokens, 16, &mut h, |_| true);
+        assert_eq!((r.blocks_reused, r.blocks_hashed), (64, 36));
+    }
+}
