@@ -43,21 +43,34 @@ const FRAME_SIZE_TARGET: usize = 64 * 1024;
 const MAX_INT_LEN: usize = 7;
 /// Every int is written as one 8-byte store, so the buffer keeps this much slack at the end.
 const STORE_SLACK: usize = 8;
-/// Opcode (and for `LONG1` its length byte) of each int width class, see [`int_class`].
-const INT_HEAD: [u64; 4] = [
-    BININT1 as u64,
-    BININT2 as u64,
-    BININT as u64,
-    LONG1 as u64 | 5 << 8,
-];
-
-/// 0 = `BININT1`, 1 = `BININT2`, 2 = `BININT`, 3 = `LONG1`.
+/// How to write an int, by its count of leading zero bits (0..=32), packed as
+/// `opcode bytes (16 bits) | value shift in bits (8 bits) << 16 | encoded length << 24`.
 ///
-/// Computed without branches: real prompts mix 2- and 4-byte ids at random, and a mispredicted
-/// branch per token cost more than the rest of the encoding.
-#[inline(always)]
-fn int_class(v: u32) -> usize {
-    usize::from(v > 0xff) + usize::from(v > 0xffff) + usize::from(v > 0x7fff_ffff)
+/// One table load per token replaces the compare chain CPython's `save_long` amounts to: real
+/// prompts mix 2- and 4-byte ids at random, so branches mispredict, and even branch-free
+/// compares cost more than the rest of the encoding.
+static INT_ENCODING: [u32; 33] = int_encoding_table();
+
+const fn int_encoding_table() -> [u32; 33] {
+    let mut table = [0u32; 33];
+    let mut leading_zeros = 0;
+    while leading_zeros <= 32 {
+        let bits = 32 - leading_zeros;
+        let (head, shift, len) = if bits <= 8 {
+            (BININT1 as u32, 8, 2)
+        } else if bits <= 16 {
+            (BININT2 as u32, 8, 3)
+        } else if bits <= 31 {
+            // BININT is a signed 32-bit int.
+            (BININT as u32, 8, 5)
+        } else {
+            // LONG1 with a 5-byte two's-complement body; its top byte stays 0 (positive sign).
+            (LONG1 as u32 | 5 << 8, 16, 7)
+        };
+        table[leading_zeros] = head | shift << 16 | len << 24;
+        leading_zeros += 1;
+    }
+    table
 }
 
 /// Writes the pickle of `(parent, tuple(tokens), None)` to the start of `buf` and returns its
@@ -85,7 +98,12 @@ pub(crate) fn encode_block(buf: &mut Vec<u8>, parent: &[u8], tokens: &[u32]) -> 
 
     w.boundary();
     w.put(&[SHORT_BINBYTES, parent.len() as u8]);
-    w.put(parent);
+    // Fixed-size copies for the two digest lengths: a length-generic one is a `memcpy` call.
+    match parent.len() {
+        32 => w.put(<&[u8; 32]>::try_from(parent).unwrap()),
+        16 => w.put(<&[u8; 16]>::try_from(parent).unwrap()),
+        _ => w.put(parent),
+    }
     w.put(&[MEMOIZE]);
 
     w.boundary();
@@ -143,15 +161,11 @@ impl Writer<'_> {
     /// One int, with the opcode CPython's `save_long` picks.
     #[inline(always)]
     fn put_int(&mut self, v: u32) {
-        let class = int_class(v) & 3;
-        let long = usize::from(v > 0x7fff_ffff);
-        // Opcode and little-endian argument packed into one word, stored in one go; the
-        // LONG1 body is 5 bytes whose top byte stays 0 (a positive sign).
-        let word = INT_HEAD[class] | u64::from(v) << (8 + 8 * long);
+        let encoding = INT_ENCODING[v.leading_zeros() as usize];
+        // Opcode and little-endian argument packed into one word, stored in one go.
+        let word = u64::from(encoding & 0xffff) | u64::from(v) << ((encoding >> 16) & 0xff);
         self.buf[self.pos..self.pos + 8].copy_from_slice(&word.to_le_bytes());
-        // 2, 3, 5 or 7 bytes, from compares rather than a table load: `pos` is a dependency
-        // chain through every token, and a load on it made encoding slower than hashing.
-        self.pos += 2 + usize::from(v > 0xff) + 2 * usize::from(v > 0xffff) + 2 * long;
+        self.pos += (encoding >> 24) as usize;
     }
 
     fn start_frame(&mut self) {
@@ -172,6 +186,7 @@ impl Writer<'_> {
     /// `_Pickler_CommitFrame`: fill in the header, or drop it for a tiny frame. (For our
     /// object the last frame always holds at least `NONE TUPLE3 MEMOIZE STOP`, so the tiny
     /// case cannot happen; it is kept so the writer stays CPython's.)
+    #[inline]
     fn end_frame(&mut self) {
         let body_start = self.frame_start + FRAME_HEADER;
         let body_len = self.pos - body_start;

@@ -23,12 +23,15 @@ const IV: [u32; 8] = [
 pub(crate) fn digest_in_place(buf: &mut Vec<u8>, len: usize) -> [u8; 32] {
     // Message, 0x80, zeros, 64-bit big-endian bit length; a whole number of 64-byte blocks.
     let padded = (len + 1 + 8).div_ceil(64) * 64;
-    if buf.len() < padded {
-        buf.resize(padded, 0);
+    // The zeros are written as one fixed 64-byte store (a length-generic fill is a `memset`
+    // call), so keep room for it past the 0x80 byte.
+    let room = padded.max(len + 1 + 64);
+    if buf.len() < room {
+        buf.resize(room, 0);
     }
-    let tail = &mut buf[len..padded];
-    tail.fill(0);
-    tail[0] = 0x80;
+    buf[len] = 0x80;
+    let zeros: &mut [u8; 64] = (&mut buf[len + 1..len + 1 + 64]).try_into().unwrap();
+    *zeros = [0; 64];
     let bits = (len as u64) * 8;
     buf[padded - 8..padded].copy_from_slice(&bits.to_be_bytes());
 

@@ -77,6 +77,13 @@ impl Chain {
         self.segments[i / SEGMENT_BLOCKS].fps[i % SEGMENT_BLOCKS]
     }
 
+    /// Starts pulling the hashes of the first `blocks` blocks into cache (whole segments).
+    fn prefetch_hashes(&self, blocks: usize) {
+        for segment in self.segments.iter().take(blocks.div_ceil(SEGMENT_BLOCKS)) {
+            prefetch(&segment.hashes);
+        }
+    }
+
     /// Every hash in the chain, in block order.
     pub(super) fn hashes(&self, stride: usize) -> Vec<BlockHash> {
         (0..self.len).map(|i| self.hash(i, stride)).collect()
@@ -97,7 +104,7 @@ impl Chain {
 
     fn push(&mut self, hash: &BlockHash, fp: u128) {
         let stride = hash.as_bytes().len();
-        if self.len % SEGMENT_BLOCKS == 0 {
+        if self.len.is_multiple_of(SEGMENT_BLOCKS) {
             self.segments.push(Segment::new(stride));
         }
         let last = self.segments.last_mut().expect("a segment with room");
@@ -134,64 +141,104 @@ impl Chain {
     ) -> WalkResult {
         let stride = hasher.algo().digest_len();
         let lookups = max_hit_blocks(tokens.len(), block_size);
-        let mut result = WalkResult {
-            prompt_tokens: tokens.len(),
-            ..WalkResult::default()
-        };
+        // The chain is usually cold (other sessions were probed since): start loading its
+        // hashes now, so that happens while the fingerprint below reads the (warm) prompt.
+        self.prefetch_hashes(lookups.min(self.len));
+        let (mut stream, vouched) = self.shared_prefix(tokens, block_size, lookups);
 
-        // Fast path for the common case (the prompt extends or repeats the chain's sequence):
-        // one streaming fingerprint over the chain's whole token span instead of one per block.
-        // The stream is kept to fingerprint the new chain if the walk extends it.
-        let mut stream = PrefixFp::new();
-        let mut verified = 0;
-        let covered = self.len() * block_size;
-        if lookups > 0 && self.len() > 0 && covered <= tokens.len() {
-            stream.update(&tokens[..covered]);
-            if stream.digest() == self.prefix_fp {
-                verified = self.len();
+        // Blocks the whole-prefix fingerprint vouched for: look up the stored hashes as is.
+        let mut hits = 0;
+        let mut missed = false;
+        while hits < vouched {
+            if !is_resident(&self.hash(hits, stride)) {
+                missed = true;
+                break;
             }
+            hits += 1;
         }
+        let mut reused = hits + usize::from(missed);
+        let mut hashed = 0;
 
-        let mut parent: Option<BlockHash> = None;
+        // The rest: reuse a stored block only if its own fingerprint matches, else hash it.
+        // Block i's parent is always the chain's block i - 1, reused or just pushed.
         let mut changed = false;
-        for (i, block) in tokens
-            .chunks_exact(block_size.max(1))
-            .take(lookups)
-            .enumerate()
-        {
-            // Past the fast path, a stored block is reused only if its own fingerprint matches.
-            let reusable = i < self.len() && (i < verified || self.fp(i) == block_fp(block));
-            let hash = if reusable {
-                result.blocks_reused += 1;
-                self.hash(i, stride)
+        while !missed && hits < lookups {
+            let block = &tokens[hits * block_size..(hits + 1) * block_size];
+            let hash = if hits < self.len && self.fp(hits) == block_fp(block) {
+                reused += 1;
+                self.hash(hits, stride)
             } else {
-                // The chain's block i (if any) differs, so everything from i on is stale.
-                self.truncate(i, stride);
+                // The chain's block `hits` (if any) differs, so it is stale from here on.
+                self.truncate(hits, stride);
+                let parent = hits.checked_sub(1).map(|p| self.hash(p, stride));
                 let hash = hasher.hash_block(parent.as_ref(), block);
                 self.push(&hash, block_fp(block));
-                result.blocks_hashed += 1;
+                hashed += 1;
                 changed = true;
                 hash
             };
-            if !is_resident(&hash) {
-                break;
-            }
-            result.hit_blocks += 1;
-            parent = Some(hash);
+            missed = !is_resident(&hash);
+            hits += usize::from(!missed);
         }
-        result.hit_tokens = result.hit_blocks * block_size;
 
         if changed {
-            // The chain is now exactly this prompt's first `len()` blocks.
-            let end = self.len() * block_size;
+            // The chain is now exactly this prompt's first `len` blocks.
+            let end = self.len * block_size;
             if stream.tokens() > end {
                 stream = PrefixFp::new();
             }
             stream.update(&tokens[stream.tokens()..end]);
             self.prefix_fp = stream.digest();
         }
-        result
+        WalkResult {
+            hit_blocks: hits,
+            hit_tokens: hits * block_size,
+            prompt_tokens: tokens.len(),
+            blocks_hashed: hashed,
+            blocks_reused: reused,
+        }
     }
+
+    /// How many leading blocks (at most `lookups`) `tokens` provably shares with the chain
+    /// by the fast check, and the fingerprint stream it read (over `tokens`' own prefix).
+    ///
+    /// The fast check covers the common case, a prompt that repeats or extends the chain's
+    /// sequence: one streaming fingerprint over the chain's whole token span, instead of one
+    /// per block. If it fails (or the prompt is shorter than the chain) it vouches for
+    /// nothing and the walk falls back to per-block fingerprints.
+    fn shared_prefix(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        lookups: usize,
+    ) -> (PrefixFp, usize) {
+        let mut stream = PrefixFp::new();
+        let covered = self.len * block_size;
+        if lookups == 0 || self.len == 0 || covered > tokens.len() {
+            return (stream, 0);
+        }
+        stream.update(&tokens[..covered]);
+        let vouched = if stream.digest() == self.prefix_fp {
+            self.len.min(lookups)
+        } else {
+            0
+        };
+        (stream, vouched)
+    }
+}
+
+/// Hints the CPU to start loading `bytes` into the L2 cache; a no-op off x86-64.
+#[inline]
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        use std::arch::x86_64::{_MM_HINT_T1, _mm_prefetch};
+        // SAFETY: SSE is in the x86-64 baseline, and a prefetch is only a hint: it never faults
+        // and has no observable effect (the pointer comes from a live slice anyway).
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(line.as_ptr().cast()) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// vLLM's longest-prefix walk with nothing cached: hash block by block, stop at the first miss.

@@ -1,6 +1,19 @@
 //! Content fingerprints of token runs (XXH3-128), used to recognise a prompt prefix that was
 //! already hashed without running the (much slower) vLLM hash again.
-use xxhash_rust::xxh3::{Xxh3Default, xxh3_128};
+//!
+//! XXH3 is not collision resistant against someone who knows the seed, so the seed is random
+//! per process: prompts cannot be crafted to make a changed prefix look unchanged.
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+use std::sync::OnceLock;
+
+use xxhash_rust::xxh3::{Xxh3, xxh3_128_with_seed};
+
+/// This process's fingerprint seed (std's per-process random hash keys).
+fn seed() -> u64 {
+    static SEED: OnceLock<u64> = OnceLock::new();
+    *SEED.get_or_init(|| RandomState::new().hash_one("session-gate chain fingerprint"))
+}
 
 /// The in-memory bytes of `tokens`.
 ///
@@ -13,20 +26,20 @@ fn token_bytes(tokens: &[u32]) -> &[u8] {
 
 /// Fingerprint of one block's tokens.
 pub(super) fn block_fp(tokens: &[u32]) -> u128 {
-    xxh3_128(token_bytes(tokens))
+    xxh3_128_with_seed(token_bytes(tokens), seed())
 }
 
 /// A streaming fingerprint of a growing token prefix; [`PrefixFp::digest`] equals the
 /// fingerprint of everything fed so far, whatever the chunking.
 pub(super) struct PrefixFp {
-    state: Xxh3Default,
+    state: Xxh3,
     tokens: usize,
 }
 
 impl PrefixFp {
     pub(super) fn new() -> Self {
         Self {
-            state: Xxh3Default::new(),
+            state: Xxh3::with_seed(seed()),
             tokens: 0,
         }
     }
@@ -47,7 +60,7 @@ impl PrefixFp {
 
     /// One-shot fingerprint of a whole prefix.
     pub(super) fn of(tokens: &[u32]) -> u128 {
-        xxh3_128(token_bytes(tokens))
+        xxh3_128_with_seed(token_bytes(tokens), seed())
     }
 }
 

@@ -4,7 +4,7 @@
 //! (`BlockPool.cached_block_hash_to_block._cache`), the block list and `cached_block_hashes_by_block`
 //! — and this module reads them through the CPython API, without calling any Python function per
 //! block and without touching anything vLLM would notice (no ref counts, no LRU order, no stats).
-use pyo3::intern;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -136,17 +136,30 @@ impl ProbeEngine {
             ..
         } = self;
         let mut lookup_error = None;
+        let map = cached_map.as_ptr();
         let is_resident = |hash: &BlockHash| {
             key_buf.clear();
             key_buf.extend_from_slice(hash.as_bytes());
             key_buf.extend_from_slice(group_suffix);
-            let key = PyBytes::new(py, key_buf);
-            match cached_map.get_item(key) {
-                Ok(found) => found.is_some(),
-                Err(err) => {
-                    lookup_error.get_or_insert(err);
-                    false
+            // Raw CPython calls: one small bytes object and one dict probe per block, no Python
+            // function call and no new reference to the found block (we only test presence).
+            // SAFETY: we hold the GIL; `key` is a new reference we own and release below;
+            // `PyDict_GetItemWithError` returns a borrowed pointer we never dereference.
+            unsafe {
+                let key = ffi::PyBytes_FromStringAndSize(
+                    key_buf.as_ptr().cast(),
+                    key_buf.len() as ffi::Py_ssize_t,
+                );
+                if key.is_null() {
+                    lookup_error.get_or_insert_with(|| PyErr::fetch(py));
+                    return false;
                 }
+                let found = ffi::PyDict_GetItemWithError(map, key);
+                ffi::Py_DECREF(key);
+                if found.is_null() && !ffi::PyErr_Occurred().is_null() {
+                    lookup_error.get_or_insert_with(|| PyErr::fetch(py));
+                }
+                !found.is_null()
             }
         };
         let walk = chains.walk(session_id, &tokens, *block_size, hasher, is_resident);
@@ -163,23 +176,15 @@ impl ProbeEngine {
     }
 }
 
-/// Counts cached blocks whose ref count is 0 (free but still holding a prefix): walks
-/// `cached_block_hashes_by_block` (block id → keys) and reads `blocks[id].ref_cnt`.
+/// Counts cached blocks whose ref count is 0 (free, but still holding a prefix), from
+/// `BlockPool.blocks` and `BlockPool.cached_block_hashes_by_block`.
 #[pyfunction]
 fn count_cached_free_blocks(
     blocks: &Bound<'_, PyList>,
     cached_block_hashes_by_block: &Bound<'_, PyDict>,
 ) -> PyResult<usize> {
     no_panic("count_cached_free_blocks", || {
-        let py = blocks.py();
-        let mut free = 0usize;
-        for (block_id, _) in cached_block_hashes_by_block.iter() {
-            let block = blocks.get_item(block_id.extract::<usize>()?)?;
-            if block.getattr(intern!(py, "ref_cnt"))?.extract::<i64>()? == 0 {
-                free += 1;
-            }
-        }
-        Ok(free)
+        super::block_pool::count_cached_free(blocks, cached_block_hashes_by_block)
     })
 }
 

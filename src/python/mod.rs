@@ -6,8 +6,10 @@
 //! and take the engine core down.
 use pyo3::prelude::*;
 
+mod block_pool;
 mod engine;
 mod errors;
+mod gate;
 mod guard;
 mod tokens;
 
@@ -16,5 +18,6 @@ mod tokens;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
+    gate::register(m)?;
     Ok(())
 }

@@ -69,7 +69,7 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
 }
 
 fn unpack_le_u32(bytes: &[u8]) -> Result<Vec<u32>, Error> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(Error::InvalidInput(format!(
             "packed token_ids must be a multiple of 4 bytes (little-endian uint32), got {} bytes",
             bytes.len()

@@ -85,3 +85,22 @@ def test_native_probe_follows_the_engines_random_none_hash(llm):
     answer = core.session_gate_probe("xx", prompt)
     assert answer["path"] == "native"
     assert answer["hit_tokens"] == run_prompt(llm, prompt) == 7 * BLOCK
+
+
+def test_usage_counts_exactly_the_free_blocks_that_still_hold_a_prefix(llm):
+    core = engine_core(llm)
+    rng = random.Random(8)
+    for n in (4 * BLOCK + 1, 11 * BLOCK + 7, 6 * BLOCK):
+        run_prompt(llm, random_prompt(rng, n), max_tokens=2)
+        pool = core.scheduler.kv_cache_manager.block_pool
+        by_block = pool.cached_block_hashes_by_block
+        expected = sum(
+            1
+            for b in pool.blocks
+            if b.ref_cnt == 0 and (b.block_hash is not None or b.block_id in by_block)
+        )
+        usage = core.session_gate_usage()
+        assert expected > 0
+        assert usage["num_cached_free_blocks"] == expected
+        assert usage["kv_cache_usage"] == pool.get_usage()
+        assert usage["num_free_blocks"] == pool.get_num_free_blocks()

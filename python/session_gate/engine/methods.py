@@ -98,8 +98,11 @@ class EngineState:
                 pool.blocks, pool.cached_block_hashes_by_block
             )
         else:
+            by_block = pool.cached_block_hashes_by_block
             cached_free = sum(
-                1 for bid in pool.cached_block_hashes_by_block if pool.blocks[bid].ref_cnt == 0
+                1
+                for b in pool.blocks
+                if b.ref_cnt == 0 and (b.block_hash is not None or b.block_id in by_block)
             )
         return {
             "kv_cache_usage": float(pool.get_usage()),

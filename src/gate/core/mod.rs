@@ -50,7 +50,15 @@
 //! any call that changed the epoch it wakes every waiter, and each waiter polls again. The core
 //! answers a spurious wake-up with the same `Wait` without asking for a probe, so only the
 //! waiters that can gain (the head of the queue, preempted attempts) do any work.
+//!
+//! `Wait { until }` is the earliest of `now + wait_poll_sec`, `begin + max_wait_sec`, and — for
+//! the head of the queue — the end of the next idle grace window, whose purge may let it in.
+//! A usage reading taken before the epoch last moved is not trusted for a decision to wait: the
+//! attempt starts a fresh cycle instead (usage is cached for one cycle, never across a release).
 use std::collections::{BTreeMap, HashMap};
+
+mod audit;
+mod decide;
 
 use super::config::{GateConfig, Pressure};
 use super::ledger::Ledger;
@@ -449,184 +457,6 @@ impl GateCore {
     /// Prometheus text exposition of [`GateCore::stats`].
     pub fn prometheus(&self) -> String {
         self.stats().prometheus()
-    }
-
-    /// Approximate heap bytes held by the core's tables (sessions, reservations, attempts,
-    /// leases, queue). The benchmark also measures it with a counting allocator.
-    pub fn approx_bytes(&self) -> usize {
-        let map = |cap: usize, entry: usize| cap * (entry + 1);
-        size_of::<Self>()
-            + self.sessions.approx_bytes()
-            + self.ledger.approx_bytes()
-            + map(self.attempts.capacity(), size_of::<(u64, Attempt)>())
-            + map(self.leases.capacity(), size_of::<(u64, LeaseRec)>())
-            + self.queue.len() * (size_of::<(u64, u64)>() * 3 / 2 + 8)
-    }
-
-    /// Checks the core's internal bookkeeping against itself; `Err` describes the first
-    /// inconsistency. For tests and debugging: it walks every table.
-    pub fn check_invariants(&self) -> std::result::Result<(), String> {
-        let mut committed = 0;
-        let mut reservations = 0;
-        let mut idle = 0;
-        let mut attempts_per_slot: HashMap<u32, u32> = HashMap::new();
-        let mut leases_per_slot: HashMap<u32, u32> = HashMap::new();
-        for a in self.attempts.values() {
-            *attempts_per_slot.entry(a.slot).or_default() += 1;
-        }
-        for l in self.leases.values() {
-            *leases_per_slot.entry(l.slot).or_default() += 1;
-        }
-        for (slot, s) in self.sessions.iter() {
-            if let Some(r) = &s.reservation {
-                committed += r.ws_blocks;
-                reservations += 1;
-                idle += usize::from(r.idle_until.is_some());
-                if (r.holders == 0) != r.idle_until.is_some() {
-                    return Err(format!("session {}: holders/idle mismatch", s.id));
-                }
-            }
-            if s.attempts != attempts_per_slot.get(&slot).copied().unwrap_or(0) {
-                return Err(format!("session {}: attempt count", s.id));
-            }
-            if s.leases != leases_per_slot.get(&slot).copied().unwrap_or(0) {
-                return Err(format!("session {}: lease count", s.id));
-            }
-            if s.reservation.is_none() && s.attempts == 0 && s.leases == 0 {
-                return Err(format!("session {}: idle but kept", s.id));
-            }
-        }
-        if committed != self.ledger.committed() || reservations != self.ledger.len() {
-            return Err("ledger totals differ from the session table".into());
-        }
-        if idle != self.ledger.idle_len() {
-            return Err("idle reservations differ from the expiry index".into());
-        }
-        for (order, id) in &self.queue {
-            match self.attempts.get(id) {
-                Some(a) if a.queued && a.order == *order && !a.preempted => {}
-                _ => return Err(format!("queue entry {order} → {id} is stale")),
-            }
-        }
-        let live = self.attempts.values().filter(|a| !a.preempted).count() as u64;
-        if live != self.pending {
-            return Err("pending count".into());
-        }
-        let s = self.stats();
-        if s.attempts != s.admissions_total() + s.preemptions + s.cancellations + s.pending {
-            return Err("attempts != admitted + preempted + cancelled + pending".into());
-        }
-        if s.admissions_total() != s.leases_released + s.leases_dropped_unreleased + s.leases_active
-        {
-            return Err("leases issued != released + dropped + active".into());
-        }
-        Ok(())
-    }
-
-    // ---- decisions -------------------------------------------------------------------------
-
-    fn decide_on_usage(&mut self, id: u64) -> Step {
-        let a = &self.attempts[&id];
-        let (slot, order, usage) = (a.slot, a.order, a.usage);
-        let ws = self.blocks(a.ws_tokens);
-        let fifo_ok = self.may_open(order);
-        let hw = self.cfg.high_watermark;
-        match self.cfg.pressure {
-            Pressure::Engine => {
-                // Unknown usage: assume pressure, the seed's safe side.
-                if usage.is_some_and(|u| u < hw) && fifo_ok {
-                    return Step::Admit(Reason::Open);
-                }
-                if self.sessions.get(slot).reservation.is_some() {
-                    return Step::Admit(Reason::ReservedSession);
-                }
-                Step::Prefix
-            }
-            Pressure::Committed => {
-                let usage = usage.unwrap_or(0.0);
-                let committed = self.ledger.committed();
-                if let Some(res) = &self.sessions.get(slot).reservation {
-                    let (age, old_ws) = (res.age, res.ws_blocks);
-                    if let (Some(g), Some(ws)) = (self.geometry, ws) {
-                        let line = hw * g.num_blocks as f64;
-                        let updated = committed - old_ws + ws;
-                        // Fast path: the whole committed set fits, so no prefix of it can overflow.
-                        let revoke = updated as f64 > line && {
-                            let older = self.ledger.older_than(age);
-                            older > 0 && (older + ws) as f64 > line
-                        };
-                        if !revoke {
-                            let calm = usage < hw && updated as f64 <= line;
-                            return Step::Admit(if calm && fifo_ok {
-                                Reason::Open
-                            } else {
-                                Reason::ReservedSession
-                            });
-                        }
-                        self.drop_reservation(slot);
-                        self.stats.revocations += 1;
-                        self.epoch += 1;
-                        let epoch = self.epoch;
-                        let a = self.attempt_mut(id);
-                        a.revoked = true;
-                        // Our own revocation is not news that should restart our cycle.
-                        a.usage_epoch = epoch;
-                    } else {
-                        return Step::Admit(Reason::ReservedSession);
-                    }
-                }
-                let committed = self.ledger.committed();
-                if fifo_ok {
-                    if committed == 0 {
-                        return Step::Admit(Reason::Open);
-                    }
-                    if let (Some(g), Some(ws)) = (self.geometry, ws) {
-                        let line = hw * g.num_blocks as f64;
-                        if usage < hw && (committed + ws) as f64 <= line {
-                            return Step::Admit(Reason::Open);
-                        }
-                    }
-                }
-                Step::Prefix
-            }
-        }
-    }
-
-    fn decide_on_prefix(&mut self, id: u64, now: f64) -> Step {
-        let a = &self.attempts[&id];
-        match a.hit {
-            Hit::Unavailable => return Step::Admit(Reason::PrefixProbeUnavailable),
-            Hit::Ratio(h) if h >= self.cfg.hit_threshold && self.fits_whole_cache(a) => {
-                return Step::Admit(Reason::ResidentPrefix);
-            }
-            _ => {}
-        }
-        if self.cfg.max_wait_sec.is_some_and(|m| now - a.started >= m) {
-            return Step::Admit(Reason::MaxWait);
-        }
-        if a.usage_epoch != self.epoch && self.may_open(a.order) {
-            // Something was released since the usage probe: look again before sleeping.
-            return Step::Restart;
-        }
-        Step::Wait
-    }
-
-    fn fits_whole_cache(&self, a: &Attempt) -> bool {
-        match (self.cfg.pressure, self.geometry, self.blocks(a.ws_tokens)) {
-            (Pressure::Committed, Some(g), Some(ws)) => {
-                self.ledger.committed() + ws <= g.num_blocks
-            }
-            _ => true,
-        }
-    }
-
-    /// No queued attempt is ahead of this order key.
-    fn may_open(&self, order: u64) -> bool {
-        self.queue.range(..order).next().is_none()
-    }
-
-    fn blocks(&self, tokens: u64) -> Option<u64> {
-        self.geometry.map(|g| tokens.div_ceil(g.block_size))
     }
 
     // ---- state changes ---------------------------------------------------------------------

@@ -1,0 +1,116 @@
+//! The decision tree (see the [`core`](super) module docs): pure reads of the core's state plus
+//! the one state change a decision can make, revoking the asking session's reservation.
+use super::{Attempt, GateCore, Hit, Step};
+use crate::gate::config::Pressure;
+use crate::gate::types::Reason;
+
+impl GateCore {
+    /// Steps 1–2 of the tree, once this cycle's usage answer is in.
+    pub(super) fn decide_on_usage(&mut self, id: u64) -> Step {
+        let a = &self.attempts[&id];
+        let (slot, order, usage) = (a.slot, a.order, a.usage);
+        let ws = self.blocks(a.ws_tokens);
+        let fifo_ok = self.may_open(order);
+        let hw = self.cfg.high_watermark;
+        match self.cfg.pressure {
+            Pressure::Engine => {
+                // Unknown usage: assume pressure, the seed's safe side.
+                if usage.is_some_and(|u| u < hw) && fifo_ok {
+                    return Step::Admit(Reason::Open);
+                }
+                if self.sessions.get(slot).reservation.is_some() {
+                    return Step::Admit(Reason::ReservedSession);
+                }
+                Step::Prefix
+            }
+            Pressure::Committed => {
+                let usage = usage.unwrap_or(0.0);
+                let committed = self.ledger.committed();
+                if let Some(res) = &self.sessions.get(slot).reservation {
+                    let (age, old_ws) = (res.age, res.ws_blocks);
+                    if let (Some(g), Some(ws)) = (self.geometry, ws) {
+                        let line = hw * g.num_blocks as f64;
+                        let updated = committed - old_ws + ws;
+                        // Fast path: the whole committed set fits, so no prefix of it can overflow.
+                        let revoke = updated as f64 > line && {
+                            let older = self.ledger.older_than(age);
+                            older > 0 && (older + ws) as f64 > line
+                        };
+                        if !revoke {
+                            let calm = usage < hw && updated as f64 <= line;
+                            return Step::Admit(if calm && fifo_ok {
+                                Reason::Open
+                            } else {
+                                Reason::ReservedSession
+                            });
+                        }
+                        self.drop_reservation(slot);
+                        self.stats.revocations += 1;
+                        self.epoch += 1;
+                        let epoch = self.epoch;
+                        let a = self.attempt_mut(id);
+                        a.revoked = true;
+                        // Our own revocation is not news that should restart our cycle.
+                        a.usage_epoch = epoch;
+                    } else {
+                        return Step::Admit(Reason::ReservedSession);
+                    }
+                }
+                let committed = self.ledger.committed();
+                if fifo_ok {
+                    if committed == 0 {
+                        return Step::Admit(Reason::Open);
+                    }
+                    if let (Some(g), Some(ws)) = (self.geometry, ws) {
+                        let line = hw * g.num_blocks as f64;
+                        if usage < hw && (committed + ws) as f64 <= line {
+                            return Step::Admit(Reason::Open);
+                        }
+                    }
+                }
+                Step::Prefix
+            }
+        }
+    }
+
+    /// Steps 3–4, once the prefix answer is in.
+    pub(super) fn decide_on_prefix(&mut self, id: u64, now: f64) -> Step {
+        let a = &self.attempts[&id];
+        match a.hit {
+            Hit::Unavailable => return Step::Admit(Reason::PrefixProbeUnavailable),
+            Hit::Ratio(h) if h >= self.cfg.hit_threshold && self.fits_whole_cache(a) => {
+                return Step::Admit(Reason::ResidentPrefix);
+            }
+            _ => {}
+        }
+        if self.cfg.max_wait_sec.is_some_and(|m| now - a.started >= m) {
+            return Step::Admit(Reason::MaxWait);
+        }
+        if a.usage_epoch != self.epoch && self.may_open(a.order) {
+            // Something was released since the usage probe: look again before sleeping.
+            return Step::Restart;
+        }
+        Step::Wait
+    }
+
+    /// Committed mode only: the working set still fits in the whole cache next to everything
+    /// committed (`resident_prefix` may go past the watermark, never past the cache).
+    pub(super) fn fits_whole_cache(&self, a: &Attempt) -> bool {
+        match (self.cfg.pressure, self.geometry, self.blocks(a.ws_tokens)) {
+            (Pressure::Committed, Some(g), Some(ws)) => {
+                self.ledger.committed() + ws <= g.num_blocks
+            }
+            _ => true,
+        }
+    }
+
+    /// No queued attempt is ahead of this order key.
+    pub(super) fn may_open(&self, order: u64) -> bool {
+        self.queue.range(..order).next().is_none()
+    }
+
+    /// Working set in blocks, once a usage report has told the block size.
+    pub(super) fn blocks(&self, tokens: u64) -> Option<u64> {
+        self.geometry.map(|g| tokens.div_ceil(g.block_size))
+    }
+}
