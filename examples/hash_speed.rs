@@ -34,6 +34,29 @@ fn summary(mut samples: Vec<Duration>) -> String {
     )
 }
 
+/// Walks every session's prompt once, timing each walk.
+///
+/// The engine binding copies the prompt out of Python right before walking, so the prompt is
+/// warm in cache; the session's chain is not (other probes ran in between). `resident` is
+/// inlined, so the timings exclude the cost of real lookups.
+fn probe(
+    cache: &mut ChainCache,
+    hasher: &mut BlockHasher,
+    ids: &[String],
+    samples: &mut Vec<Duration>,
+    prompts: &[Vec<u32>],
+    resident: impl Fn(&BlockHash) -> bool + Copy,
+) -> WalkResult {
+    let mut last = WalkResult::default();
+    for (id, prompt) in ids.iter().zip(prompts) {
+        let warm = black_box(prompt.clone());
+        let (d, r) = time(|| cache.walk(Some(id), &warm, BS, hasher, resident));
+        samples.push(d);
+        last = r;
+    }
+    last
+}
+
 fn main() {
     println!("hash_full_blocks, 2,048 blocks x 16 tokens (100 runs):");
     for algo in HashAlgo::ALL {
@@ -77,8 +100,8 @@ fn main() {
             t
         })
         .collect();
-    let all: fn(&BlockHash) -> bool = |_| true;
-    let none: fn(&BlockHash) -> bool = |_| false;
+    let all = |_: &BlockHash| true;
+    let none = |_: &BlockHash| false;
 
     let mut first = Vec::new();
     let mut extend = Vec::new();
@@ -88,26 +111,12 @@ fn main() {
     let mut per_session = 0;
     for _ in 0..rounds {
         let mut cache = ChainCache::new(1 << 30);
-        // The engine binding copies the prompt out of Python right before walking, so the
-        // prompt is warm in cache; the session's chain is not (other probes ran in between).
-        let mut probe = |samples: &mut Vec<Duration>,
-                         prompts: &[Vec<u32>],
-                         resident: fn(&BlockHash) -> bool| {
-            let mut last = WalkResult::default();
-            for (id, t) in ids.iter().zip(prompts) {
-                let warm = black_box(t.clone());
-                let (d, r) = time(|| cache.walk(Some(id), &warm, BS, &mut h, resident));
-                samples.push(d);
-                last = r;
-            }
-            last
-        };
-        probe(&mut first, &turn1, all);
-        let last = probe(&mut extend, &turn2, all);
+        probe(&mut cache, &mut h, &ids, &mut first, &turn1, all);
+        let last = probe(&mut cache, &mut h, &ids, &mut extend, &turn2, all);
         assert_eq!((last.blocks_hashed, last.blocks_reused), (32, 2047));
-        probe(&mut repeat, &turn2, all);
-        probe(&mut miss, &turn2, none);
-        probe(&mut diverge, &edited, all);
+        probe(&mut cache, &mut h, &ids, &mut repeat, &turn2, all);
+        probe(&mut cache, &mut h, &ids, &mut miss, &turn2, none);
+        probe(&mut cache, &mut h, &ids, &mut diverge, &edited, all);
         per_session = cache.bytes() / cache.len();
     }
     println!(

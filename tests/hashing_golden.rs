@@ -29,19 +29,21 @@
 //!                      ("vocab16", b16), ("child32", h(b16, vocab(32))),
 //!                      ("mixed20000", h(None, mixed(20000, 5))),
 //!                      ("mixed20000_child", h(b16, mixed(20000, 5))),
-//!                      ("frame_edge", h(None, FRAME_EDGE)), ("chain4", chain[-1])]:
+//!                      ("frame_edge", h(None, FRAME_EDGE)), ("chain4", chain[-1]),
+//!                      ("long20000", h(None, [2**32 - 1] * 20000))]:
 //!         print("  ", label, v.hex())
 //! ```
 //!
 //! `mixed(20000, 5)` pickles to 120,057 bytes in two frames (65,536 + 54,501), so it checks the
-//! frame split; `FRAME_EDGE` puts the split right before `NONE`.
+//! frame split; `FRAME_EDGE` puts the split right before `NONE`; `long20000` (every id a
+//! 7-byte `LONG1`) needs three frames (65,542 + 65,541 + 8,959).
 use session_gate::Error;
 use session_gate::hashing::{BlockHash, BlockHasher, HashAlgo};
 
 struct Golden {
     algo: HashAlgo,
     none_hash: &'static str,
-    cases: [(&'static str, &'static str); 11],
+    cases: [(&'static str, &'static str); 12],
 }
 
 const GOLDEN: [Golden; 4] = [
@@ -93,6 +95,10 @@ const GOLDEN: [Golden; 4] = [
                 "chain4",
                 "2c7b1bdac671d953b26e0d88446300ac17727ca345982aad3ae3e305637141c9",
             ),
+            (
+                "long20000",
+                "53e8b37966d3151fc3237f51e5c44ed7805f3b3435204ffaef2485f41d4ae751",
+            ),
         ],
     },
     Golden {
@@ -143,6 +149,10 @@ const GOLDEN: [Golden; 4] = [
                 "chain4",
                 "bb9ba81b59c18cc98732444657bc5e498fd157413f912d471642eb9bb9149419",
             ),
+            (
+                "long20000",
+                "9fd0cc3a3eb33dd1ea3c709b9d2d73864516c377c6573ffec7a4d695727e3586",
+            ),
         ],
     },
     Golden {
@@ -160,6 +170,7 @@ const GOLDEN: [Golden; 4] = [
             ("mixed20000_child", "85ce8197ae5c83f39e78fa56f44615de"),
             ("frame_edge", "a8f4beae71ca318f0b91cdf65ed50379"),
             ("chain4", "5af4b8afe617a0e79afc1bd171f9030c"),
+            ("long20000", "bfe107b620cb790a84eab24c5bfe9012"),
         ],
     },
     Golden {
@@ -177,6 +188,7 @@ const GOLDEN: [Golden; 4] = [
             ("mixed20000_child", "30f90c6ce3d58b5a057827b25f58fdea"),
             ("frame_edge", "02eca95951b4a4b3b307d4d2413bfe4d"),
             ("chain4", "3f2b3f61379934caf6f132d254c611e0"),
+            ("long20000", "215a31719d7ad1cf6cab66d82b5e6614"),
         ],
     },
 ];
@@ -228,6 +240,7 @@ fn compute(h: &mut BlockHasher, label: &str) -> BlockHash {
             tokens.extend([1; 4]);
             h.hash_block(None, &tokens)
         }
+        "long20000" => h.hash_block(None, &vec![u32::MAX; 20_000]),
         "chain4" => {
             let mut out = Vec::new();
             h.hash_full_blocks(None, &mixed(64, 99), 16, &mut out);

@@ -43,6 +43,7 @@ const FRAME_SIZE_TARGET: usize = 64 * 1024;
 const MAX_INT_LEN: usize = 7;
 /// Every int is written as one 8-byte store, so the buffer keeps this much slack at the end.
 const STORE_SLACK: usize = 8;
+
 /// How to write an int, by its count of leading zero bits (0..=32), packed as
 /// `opcode bytes (16 bits) | value shift in bits (8 bits) << 16 | encoded length << 24`.
 ///

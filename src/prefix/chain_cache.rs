@@ -63,7 +63,9 @@ impl ChainCache {
     /// walk reaches.
     ///
     /// With `session = Some(id)` the session's cached chain is reused for the blocks this prompt
-    /// shares with it and updated with any blocks hashed now; `None` caches nothing.
+    /// shares with it and updated with any blocks hashed now; `None` caches nothing. What is
+    /// cached depends only on the tokens, never on `is_resident`'s answers, so a lookup that
+    /// fails (and answers false) cannot leave a wrong chain behind.
     /// A `block_size` of 0 looks nothing up.
     pub fn walk(
         &mut self,
@@ -74,6 +76,7 @@ impl ChainCache {
         is_resident: impl FnMut(&BlockHash) -> bool,
     ) -> WalkResult {
         let lookups = max_hit_blocks(tokens.len(), block_size);
+        // A prompt with no full block before its last token has nothing to cache.
         let Some(id) = session.filter(|_| lookups > 0) else {
             return walk_uncached(tokens, block_size, hasher, is_resident);
         };
