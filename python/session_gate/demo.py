@@ -24,8 +24,10 @@ def main() -> None:
     rng = random.Random(0)
     system = [rng.randrange(3, 4096) for _ in range(256)]
     prompts = {s: system + [rng.randrange(3, 4096) for _ in range(200)] for s in ("alice", "bob")}
-    header = f"{'turn':>4} {'session':>7} {'prompt':>7} {'probe hit':>9} {'vLLM cached':>11} " \
-             f"{'ratio':>6} {'hashed':>6} {'reused':>6} {'engine µs':>9} {'usage':>6}"
+    header = (
+        f"{'turn':>4} {'session':>7} {'prompt':>7} {'probe hit':>9} {'vLLM cached':>11} "
+        f"{'ratio':>6} {'hashed':>6} {'reused':>6} {'engine µs':>9} {'usage':>6}"
+    )
     print(header)
     print("-" * len(header))
     mismatches = 0
@@ -42,7 +44,9 @@ def main() -> None:
                     f"{answer['kv_cache_usage']:>6.2f}"
                 )
                 # Next turn: the model's reply and a tool result join the history.
-                prompt.extend(output + [rng.randrange(3, 4096) for _ in range(rng.randrange(100, 300))])
+                prompt.extend(
+                    output + [rng.randrange(3, 4096) for _ in range(rng.randrange(100, 300))]
+                )
         usage = core.call_utility("session_gate_usage")
         print(f"\nusage probe: {usage}")
         print(f"probe == vLLM's num_cached_tokens on {16 - mismatches}/16 turns")

@@ -22,7 +22,9 @@ impl SlotLayout {
     /// The layout of `block_type`, or `None` when a field is not a plain object slot.
     fn resolve(block_type: &Bound<'_, PyType>) -> Option<Self> {
         let offset = |name: &str| -> Option<isize> {
-            let namespace = block_type.getattr(intern!(block_type.py(), "__dict__")).ok()?;
+            let namespace = block_type
+                .getattr(intern!(block_type.py(), "__dict__"))
+                .ok()?;
             let descr = namespace.get_item(name).ok()?;
             // SAFETY: `descr` is a live object; the type check guards the cast, and CPython's
             // member descriptors always carry a valid `d_member` pointer.
@@ -128,7 +130,10 @@ fn count_by_slots(
     Some(count)
 }
 
-fn count_by_attributes(blocks: &Bound<'_, PyList>, secondary: &Bound<'_, PyDict>) -> PyResult<usize> {
+fn count_by_attributes(
+    blocks: &Bound<'_, PyList>,
+    secondary: &Bound<'_, PyDict>,
+) -> PyResult<usize> {
     let py = blocks.py();
     let mut count = 0;
     for block in blocks.iter() {

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from session_gate.engine.launch import generate
 
 

@@ -10,7 +10,6 @@ import random
 
 import pytest
 from conftest import random_prompt, run_prompt
-
 from session_gate.engine.launch import TINY_VOCAB, make_llm
 
 BLOCK = 32

@@ -13,7 +13,6 @@ import random
 
 import pytest
 from conftest import random_prompt, run_prompt
-
 from session_gate.engine.launch import make_llm
 
 BLOCK = 32

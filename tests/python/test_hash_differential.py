@@ -1,11 +1,10 @@
-"""The native block hash equals vLLM's ``hash_block_tokens`` for every algorithm vLLM 0.32 offers."""
+"""The native block hash equals vLLM's ``hash_block_tokens`` for all four vLLM 0.32 algorithms."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-
 from session_gate import _native
 
 ALGOS = ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]

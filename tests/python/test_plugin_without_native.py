@@ -47,7 +47,11 @@ def test_vllm_serves_and_warns_when_the_native_module_is_missing(tmp_path: Path)
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, str(tmp_path / "run.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]

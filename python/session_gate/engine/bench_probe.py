@@ -85,7 +85,8 @@ def bench_block_pool(block: int, prompt: list[int], grown: list[int]) -> dict[st
     full_us = _median_us(lambda: engine.probe(cache, None, packed))
     full_list_us = _median_us(lambda: engine.probe(cache, None, prompt))
     python_us = _median_us(
-        lambda: _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block), 10)
+        lambda: _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block), 10
+    )
 
     counter = iter(range(10**9))
 
@@ -139,7 +140,8 @@ def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
 
         def engine_us(method: str, *args) -> float:
             return statistics.median(
-                getattr(core, method)(*args)["engine_us"] for _ in range(REPEATS))
+                getattr(core, method)(*args)["engine_us"] for _ in range(REPEATS)
+            )
 
         counter = iter(range(10**9))
 
@@ -151,7 +153,8 @@ def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
         pool = core.scheduler.kv_cache_manager.block_pool
         hash_fn = get_hash_fn_by_name("sha256")
         python_us = _median_us(
-            lambda: _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block), 10)
+            lambda: _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block), 10
+        )
         full_us = engine_us("session_gate_probe", None, packed)
         return {
             "block_size": block,
@@ -170,16 +173,21 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(3, 4096) for _ in range(PROMPT_TOKENS)]
     grown = prompt + [rng.randrange(3, 4096) for _ in range(TURN_TOKENS)]
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"prompt {PROMPT_TOKENS} tokens + a {TURN_TOKENS}-token turn; sha256; "
-          f"median of {REPEATS}")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"prompt {PROMPT_TOKENS} tokens + a {TURN_TOKENS}-token turn; sha256; "
+        f"median of {REPEATS}"
+    )
     pool16 = bench_block_pool(16, prompt, grown)
     engine32 = bench_engine(prompt, grown)
     for name, row in (("BlockPool, block 16", pool16), ("engine, block 32", engine32)):
         print(f"\n{name}:")
         for key, value in row.items():
-            print(f"  {key:<28} {value:,.3f}" if isinstance(value, float) else
-                  f"  {key:<28} {value:,}")
+            print(
+                f"  {key:<28} {value:,.3f}"
+                if isinstance(value, float)
+                else f"  {key:<28} {value:,}"
+            )
     result = {
         "full_probe_ms": pool16["full_probe_ms"],
         "vllm_python_ms": pool16["vllm_python_ms"],

@@ -54,8 +54,8 @@ def tiny_engine_args(
     model_dir: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs`` describing a small CPU engine whose
-    KV cache has exactly ``num_blocks`` blocks of ``block_size`` tokens (a multiple of 32 on CPU)."""
+    """Keyword arguments for ``vllm.LLM`` / ``AsyncEngineArgs``: a small CPU engine whose KV cache
+    has exactly ``num_blocks`` blocks of ``block_size`` tokens (a multiple of 32 on CPU)."""
     if max_model_len is None:
         # vLLM reserves one block (the null block), so one request can use num_blocks - 1.
         max_model_len = min((num_blocks - 1) * block_size, 8192)

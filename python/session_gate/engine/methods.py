@@ -14,10 +14,10 @@ import os
 import time
 from typing import Any
 
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.engine.core import EngineCore
-from vllm.utils.hashing import get_hash_fn_by_name
 
 logger = logging.getLogger("session_gate")
 
@@ -52,7 +52,9 @@ class EngineState:
         self.path = "unavailable" if self.unavailable else self._choose_path(kvm)
         self.native = None
         if self.path == "native":
-            budget = int(os.environ.get("SESSION_GATE_CHAIN_CACHE_BYTES", DEFAULT_CHAIN_CACHE_BYTES))
+            budget = int(
+                os.environ.get("SESSION_GATE_CHAIN_CACHE_BYTES", DEFAULT_CHAIN_CACHE_BYTES)
+            )
             self.native = native.ProbeEngine(
                 self.hash_algo,
                 kv_cache_utils.NONE_HASH,
@@ -118,9 +120,7 @@ class EngineState:
 
     def probe(self, session_id: Any, token_ids: Any) -> dict[str, Any]:
         if session_id is not None and not isinstance(session_id, str):
-            raise TypeError(
-                f"session_id must be a str or None, got {type(session_id).__name__}"
-            )
+            raise TypeError(f"session_id must be a str or None, got {type(session_id).__name__}")
         answer: dict[str, Any]
         if self.path == "native":
             hit_blocks, hit_tokens, prompt_tokens, hashed, reused = self.native.probe(
@@ -131,8 +131,12 @@ class EngineState:
             tokens = self._validated_list(token_ids)
             prompt_tokens = len(tokens)
             if self.path == "unavailable":
-                return {"available": False, "reason": self.unavailable,
-                        "prompt_tokens": prompt_tokens, "path": self.path}
+                return {
+                    "available": False,
+                    "reason": self.unavailable,
+                    "prompt_tokens": prompt_tokens,
+                    "path": self.path,
+                }
             hit_tokens = self._python_hit_tokens(tokens)
             hit_blocks = hit_tokens // self.block_size
             answer = {"blocks_hashed": prompt_tokens // self.block_size, "blocks_reused": 0}
@@ -149,8 +153,9 @@ class EngineState:
     def _validated_list(self, token_ids: Any) -> list[int]:
         # Same checks as the native path, so both paths refuse the same prompts.
         if self._native_module is not None:
-            return list(self._native_module.validate_prompt(
-                token_ids, self.vocab_size, self.max_model_len))
+            return list(
+                self._native_module.validate_prompt(token_ids, self.vocab_size, self.max_model_len)
+            )
         if isinstance(token_ids, (bytes, bytearray)):
             token_ids = list(memoryview(bytes(token_ids)).cast("I"))
         tokens = list(token_ids)
@@ -159,11 +164,14 @@ class EngineState:
         if len(tokens) > self.max_model_len:
             raise ValueError(
                 f"invalid probe input: prompt has {len(tokens)} tokens, longer than "
-                f"max_model_len {self.max_model_len}")
+                f"max_model_len {self.max_model_len}"
+            )
         for i, t in enumerate(tokens):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"invalid probe input: token id {t!r} at index {i} is not an "
-                                 f"int in [0, {self.vocab_size})")
+                raise ValueError(
+                    f"invalid probe input: token id {t!r} at index {i} is not an "
+                    f"int in [0, {self.vocab_size})"
+                )
         return tokens
 
     def _python_hit_tokens(self, tokens: list[int]) -> int:
@@ -173,7 +181,7 @@ class EngineState:
         parent = None
         for start in range(0, len(tokens) - size + 1, size):
             parent = kv_cache_utils.hash_block_tokens(
-                self._python_hash_fn, parent, tokens[start:start + size]
+                self._python_hash_fn, parent, tokens[start : start + size]
             )
             hashes.append(parent)
         # Same cap as KVCacheManager.get_computed_blocks: the last token is always recomputed.
@@ -246,4 +254,3 @@ def install() -> None:
     for name, fn in UTILITY_METHODS.items():
         setattr(EngineCore, name, fn)
     EngineCore._session_gate_installed = True
-
