@@ -8,7 +8,7 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python lint demo bench-probe bench-gate clean
+.PHONY: setup test test-rust test-python lint demo demo-probe bench bench-probe bench-gate clean
 
 setup:
 	bash scripts/setup.sh
@@ -27,8 +27,17 @@ test-rust:
 test-python: setup
 	$(PY) -m pytest -q tests/python
 
+# The README's main job: the thrash benchmark's short version (no gate vs the default gate).
 demo: setup
+	$(PY) -m session_gate.bench --workload demo --modes none,gate --out bench-demo.json --plot bench-demo.png
+
+# Every probe's answer beside vLLM's num_cached_tokens, turn by turn.
+demo-probe: setup
 	$(PY) -m session_gate.demo
+
+# The full comparison: no gate, session caps, the seed's gate, the default gate; two workloads.
+bench: setup
+	$(PY) -m session_gate.bench --workload default mixed
 
 bench-probe: setup
 	$(PY) -m session_gate.engine.bench_probe

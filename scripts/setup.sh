@@ -56,10 +56,10 @@ PYEOF
   touch "$STAMP"
 fi
 
-TOOLS_STAMP="$VENV/.session-gate-tools-2"
+TOOLS_STAMP="$VENV/.session-gate-tools-3"
 if [ ! -f "$TOOLS_STAMP" ]; then
   log "installing test tools"
-  "${PIP[@]}" "maturin>=1.5,<2" pytest pytest-asyncio xxhash cbor2 ruff
+  "${PIP[@]}" "maturin>=1.5,<2" pytest pytest-asyncio xxhash cbor2 ruff matplotlib
   touch "$TOOLS_STAMP"
 fi
 

@@ -104,3 +104,19 @@ def generate(llm: Any, token_ids: list[int], max_tokens: int = 1) -> tuple[list[
         use_tqdm=False,
     )
     return list(out[0].outputs[0].token_ids), int(out[0].num_cached_tokens)
+
+
+async def agenerate(
+    async_llm: Any, token_ids: list[int], max_tokens: int, request_id: str
+) -> tuple[list[int], int]:
+    """One greedy request through an ``AsyncLLM``; returns (output ids, ``num_cached_tokens``)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    final = None
+    async for final in async_llm.generate(
+        {"prompt_token_ids": token_ids}, params, request_id=request_id
+    ):
+        pass
+    assert final is not None, "vLLM returned no output"
+    return list(final.outputs[0].token_ids), int(final.num_cached_tokens or 0)

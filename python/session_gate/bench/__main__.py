@@ -1,0 +1,134 @@
+"""``python -m session_gate.bench``: run the thrash benchmark (see ``--help``).
+
+One CPU vLLM engine per engine shape; the prefix cache is reset between modes instead of
+restarting the engine. Prints a table per workload, writes the JSON results and a PNG plot, and
+prints, last, one JSON line with the per-mode figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from typing import Any
+
+from session_gate.bench import report
+from session_gate.bench.modes import Mode
+from session_gate.bench.runner import run_mode
+from session_gate.bench.workloads import WORKLOADS, Workload, load_trace
+
+DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m session_gate.bench", description=__doc__)
+    p.add_argument(
+        "--workload",
+        nargs="+",
+        default=["default", "mixed"],
+        choices=sorted(WORKLOADS),
+        help="built-in workloads to run",
+    )
+    p.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        help="also replay a JSONL trace (format: session_gate.bench.workloads)",
+    )
+    p.add_argument(
+        "--modes",
+        default=DEFAULT_MODES,
+        help=f"comma-separated modes: none, capN, seed, gate (default {DEFAULT_MODES})",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-results.json")
+    p.add_argument("--plot", default="bench-results.png")
+    args = p.parse_args(argv)
+    try:
+        args.mode_list = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def _engine_for(workload: Workload) -> Any:
+    from session_gate.engine.launch import make_async_llm
+
+    e = workload.engine
+    max_len = workload.max_prompt_tokens + 64
+    return make_async_llm(
+        num_blocks=e.num_blocks,
+        block_size=e.block_size,
+        max_model_len=min(max_len, (e.num_blocks - 1) * e.block_size),
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+    )
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from session_gate import EngineProbe
+
+    workloads = [WORKLOADS[name](args.seed) for name in args.workload]
+    workloads += [load_trace(path, seed=args.seed) for path in args.trace]
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    llm, shape = None, None
+    try:
+        for workload in workloads:
+            print(workload.describe(), flush=True)
+            if llm is None or shape != workload.engine or _too_short(llm, workload):
+                if llm is not None:
+                    llm.shutdown()
+                started = time.perf_counter()
+                llm, shape = _engine_for(workload), workload.engine
+                print(f"engine up in {time.perf_counter() - started:.0f} s", flush=True)
+            probe = EngineProbe(llm)
+            total = sum(len(s.turns) for s in workload.sessions) * len(args.mode_list)
+            summaries = []
+            with tqdm(total=total, desc=workload.name, unit="turn") as bar:
+                for mode in args.mode_list:
+                    bar.set_postfix_str(mode.name)
+                    result = await run_mode(llm, workload, mode, probe, bar)
+                    summaries.append(result.summary())
+            by_workload[workload.name] = summaries
+            print("\n" + report.table(summaries))
+            print("\n" + report.turn_latency_table(summaries) + "\n", flush=True)
+    finally:
+        if llm is not None:
+            llm.shutdown()
+    return by_workload
+
+
+def _too_short(llm: Any, workload: Workload) -> bool:
+    return llm.model_config.max_model_len < workload.max_prompt_tokens + 64
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    by_workload = asyncio.run(run(args))
+    targets = report.targets(by_workload)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, CPU vLLM (tiny dummy Llama)"
+    results = {"machine": machine, "seed": args.seed, "workloads": by_workload, "targets": targets}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    report.plot(by_workload, args.plot)
+    print(f"targets: {json.dumps(targets, indent=2)}")
+    print(f"wrote {args.out} and {args.plot} ({machine})")
+    figures = {
+        w: {
+            s["mode"]: {
+                k: s[k] for k in ("hit_rate", "prefill_tokens", "recompute_ratio", "makespan_sec")
+            }
+            for s in summaries
+        }
+        for w, summaries in by_workload.items()
+    }
+    print(json.dumps({"figures": figures, "targets": targets}, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Drives one workload through one mode on a running ``AsyncLLM`` and measures what happened."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from session_gate.bench.modes import Admission, Mode
+from session_gate.bench.workloads import SessionSpec, Workload
+from session_gate.engine.launch import agenerate
+
+VOCAB = 4096
+
+
+@dataclass
+class TurnRecord:
+    session_id: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    ideal_cached_tokens: int
+    latency_sec: float  # admission wait + generation
+    wait_sec: float
+    reason: str
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    workload: str
+    makespan_sec: float
+    records: list[TurnRecord] = field(default_factory=list)
+    gate_stats: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        prompt = sum(r.prompt_tokens for r in self.records)
+        cached = sum(r.cached_tokens for r in self.records)
+        ideal = sum(r.ideal_cached_tokens for r in self.records)
+        by_turn: dict[int, list[float]] = {}
+        for r in self.records:
+            by_turn.setdefault(r.turn, []).append(r.latency_sec)
+        reasons: dict[str, int] = {}
+        for r in self.records:
+            reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        stats = self.gate_stats
+        return {
+            "mode": self.mode,
+            "workload": self.workload,
+            "turns": len(self.records),
+            "prompt_tokens": prompt,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "ideal_hit_rate": ideal / prompt if prompt else 0.0,
+            "prefill_tokens": prompt - cached,
+            "ideal_prefill_tokens": prompt - ideal,
+            "recompute_ratio": (prompt - cached) / max(1, prompt - ideal),
+            "makespan_sec": self.makespan_sec,
+            "latency_by_turn": {
+                t: {"p50": _pct(v, 50), "p90": _pct(v, 90)} for t, v in sorted(by_turn.items())
+            },
+            "admissions_by_reason": reasons,
+            "total_wait_sec": sum(r.wait_sec for r in self.records),
+            "revocations": stats.get("revocations", 0),
+            "preemptions": stats.get("preemptions", 0),
+        }
+
+
+def _pct(values: list[float], q: int) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def _ideal_cached(prev_sequence: int, prompt: int, block: int) -> int:
+    """Tokens vLLM could report cached if nothing were ever evicted: the full blocks of the
+    previous turn's sequence (its last sampled token has no KV), capped like vLLM does."""
+    return min((max(prev_sequence - 1, 0) // block) * block, ((prompt - 1) // block) * block)
+
+
+async def run_mode(
+    llm: Any, workload: Workload, mode: Mode, probe: Any, progress: Any = None
+) -> ModeResult:
+    """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
+    reset first so every mode starts cold."""
+    await llm.reset_prefix_cache()
+    admission = Admission(mode, probe)
+    block = workload.engine.block_size
+    rng = random.Random(workload.seed)
+    system = [
+        rng.randrange(3, VOCAB) for _ in range(max(s.system_tokens for s in workload.sessions))
+    ]
+    records: list[TurnRecord] = []
+    system_seen = [False]
+
+    async def run_session(index: int, spec: SessionSpec) -> None:
+        srng = random.Random(f"{workload.seed}:{spec.session_id}")
+        history = system[: spec.system_tokens] + [
+            srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
+        ]
+        prev_sequence = 0
+        async with admission.session(spec.session_id):
+            for t, turn in enumerate(spec.turns):
+                history += [srng.randrange(3, VOCAB) for _ in range(turn.append)]
+                if t == 0:
+                    # Ideally the shared system prompt is prefilled once, by the first session.
+                    ideal = (spec.system_tokens // block) * block if system_seen[0] else 0
+                    system_seen[0] = True
+                else:
+                    ideal = _ideal_cached(prev_sequence, len(history), block)
+                started = time.perf_counter()
+                async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
+                    output, cached = await agenerate(
+                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}"
+                    )
+                records.append(
+                    TurnRecord(
+                        spec.session_id,
+                        t,
+                        len(history),
+                        cached,
+                        ideal,
+                        time.perf_counter() - started,
+                        wait,
+                        reason,
+                    )
+                )
+                if progress is not None:
+                    progress.update(1)
+                history += output
+                prev_sequence = len(history)
+                await asyncio.sleep(turn.tool_latency)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(run_session(i, s) for i, s in enumerate(workload.sessions)))
+    return ModeResult(
+        mode.name, workload.name, time.perf_counter() - started, records, admission.stats()
+    )
