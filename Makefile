@@ -44,6 +44,7 @@ bench-probe: setup
 
 bench-gate: setup
 	cargo run --release --quiet --example bench_gate
+	$(PY) -m session_gate.bench_gate
 
 clean:
 	cargo clean

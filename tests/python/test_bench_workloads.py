@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from session_gate.bench import workloads
 from session_gate.bench.modes import Mode
 

@@ -114,9 +114,9 @@ async def agenerate(
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     final = None
-    async for final in async_llm.generate(
+    async for output in async_llm.generate(
         {"prompt_token_ids": token_ids}, params, request_id=request_id
     ):
-        pass
+        final = output  # with the default output kind, the last output is the finished one
     assert final is not None, "vLLM returned no output"
     return list(final.outputs[0].token_ids), int(final.num_cached_tokens or 0)

@@ -1,0 +1,309 @@
+"""Typed stubs for ``session_gate._native``, the Rust extension (PyO3, built by maturin).
+
+Two halves that share nothing but names:
+
+* the engine half (``src/python/engine.rs``): ``ProbeEngine`` and the hashing helpers, used
+  inside vLLM's engine core by ``session_gate.engine``;
+* the gate (``src/python/gate.rs``): ``GateConfig``, ``GateCore`` and the actions its ``poll``
+  returns, driven by ``session_gate.gate.SessionGate``.
+
+Every function turns a Rust panic into ``RuntimeError``; invalid input raises ``ValueError``.
+"""
+
+from collections.abc import Sequence
+from typing import Final, Literal, TypeAlias, TypedDict, final
+
+__all__ = [
+    "__version__",
+    "Admit",
+    "GateConfig",
+    "GateCore",
+    "Preempted",
+    "ProbeEngine",
+    "ProbePrefix",
+    "ProbeUsage",
+    "Wait",
+    "count_cached_free_blocks",
+    "hash_block",
+    "hash_blocks",
+    "validate_prompt",
+]
+
+__version__: Final[str]
+
+#: A prompt: a list/tuple of ints, or packed little-endian uint32 bytes.
+_TokenIds: TypeAlias = Sequence[int] | bytes | bytearray
+
+# --------------------------------------------------------------------------- engine half
+
+
+@final
+class ProbeEngine:
+    """Residency probe bound to one engine's hashing configuration."""
+
+    def __new__(
+        cls,
+        hash_algo: str,
+        none_hash: bytes,
+        block_size: int,
+        vocab_size: int,
+        max_model_len: int,
+        chain_cache_bytes: int,
+        group_id: int = 0,
+    ) -> ProbeEngine: ...
+    def probe(
+        self, cached_map: dict[bytes, object], session_id: str | None, token_ids: _TokenIds
+    ) -> tuple[int, int, int, int, int]:
+        """Longest resident prefix of ``token_ids`` in ``cached_map`` (vLLM's
+        ``BlockHashToBlockMap._cache``): ``(hit_blocks, hit_tokens, prompt_tokens,
+        blocks_hashed, blocks_reused)``. ``session_id=None`` does not remember the chain."""
+    def forget(self, session_id: str) -> bool:
+        """Drops a session's remembered hash chain; whether one was held."""
+    def clear(self) -> None:
+        """Drops every remembered chain."""
+    @property
+    def chain_cache_bytes(self) -> int: ...
+    @property
+    def chain_cache_sessions(self) -> int: ...
+    @property
+    def hash_algo(self) -> str: ...
+
+
+def count_cached_free_blocks(
+    blocks: list[object], cached_block_hashes_by_block: dict[int, object]
+) -> int:
+    """Cached blocks whose ref count is 0 (free but still holding a prefix)."""
+
+def hash_block(
+    hash_algo: str, none_hash: bytes, parent: bytes | None, token_ids: _TokenIds
+) -> bytes:
+    """vLLM's ``hash_block_tokens(hash_fn, parent, tokens, None)``, natively."""
+
+def hash_blocks(
+    hash_algo: str, none_hash: bytes, token_ids: _TokenIds, block_size: int
+) -> list[bytes]:
+    """The chained hashes of every full block of ``token_ids``."""
+
+def validate_prompt(token_ids: _TokenIds, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt as a list of ints, validated exactly as the native probe validates it."""
+
+# --------------------------------------------------------------------------- gate
+
+_PressureName = Literal["committed", "engine"]
+_ReasonName = Literal[
+    "open", "reserved_session", "prefix_probe_unavailable", "resident_prefix", "max_wait"
+]
+_ProbeKindName = Literal["usage", "prefix", "forget"]
+
+
+@final
+class GateConfig:
+    """The gate's knobs (DESIGN.md "Knobs"), validated in Rust; immutable.
+
+    Omitted knobs (or ``None``) keep the seed's defaults: high_watermark 0.85, hit_threshold 0.80,
+    wait_poll_sec 5, idle_grace_sec 60, pressure "committed", max_wait_sec None (never),
+    probe_timeout_sec 2. Invalid values raise ``ValueError`` naming the knob and the value.
+    """
+
+    def __new__(
+        cls,
+        *,
+        high_watermark: float | None = None,
+        hit_threshold: float | None = None,
+        wait_poll_sec: float | None = None,
+        idle_grace_sec: float | None = None,
+        pressure: _PressureName | str | None = None,
+        max_wait_sec: float | None = None,
+        probe_timeout_sec: float | None = None,
+    ) -> GateConfig: ...
+    @staticmethod
+    def from_env() -> GateConfig:
+        """Defaults overridden by ``SESSION_GATE_HIGH_WATERMARK``, ``…_HIT_THRESHOLD``,
+        ``…_WAIT_POLL_SEC``, ``…_IDLE_GRACE_SEC``, ``…_PRESSURE``, ``…_MAX_WAIT_SEC``
+        (``none``/``off`` for no limit) and ``…_PROBE_TIMEOUT_SEC``."""
+    @property
+    def high_watermark(self) -> float: ...
+    @property
+    def hit_threshold(self) -> float: ...
+    @property
+    def wait_poll_sec(self) -> float: ...
+    @property
+    def idle_grace_sec(self) -> float: ...
+    @property
+    def pressure(self) -> _PressureName: ...
+    @property
+    def max_wait_sec(self) -> float | None: ...
+    @property
+    def probe_timeout_sec(self) -> float: ...
+    def to_dict(self) -> dict[str, float | str | None]: ...
+    def __eq__(self, other: object, /) -> bool: ...
+
+
+@final
+class ProbeUsage:
+    """_Action: call the probe's ``usage()``, then ``GateCore.on_usage``."""
+
+
+@final
+class ProbePrefix:
+    """_Action: call the probe's ``prefix(session_id, prompt_ids)``, then ``GateCore.on_prefix``."""
+
+
+@final
+class Preempted:
+    """_Action: a newer attempt of the same session took over; this attempt is over."""
+
+
+@final
+class Wait:
+    """_Action: sleep until ``until`` (the core's clock) or until ``GateCore.epoch`` changes."""
+
+    @property
+    def until(self) -> float: ...
+
+
+@final
+class Admit:
+    """_Action: admitted; lease ``lease`` exists until released."""
+
+    @property
+    def lease(self) -> int: ...
+    @property
+    def reason(self) -> _ReasonName: ...
+    @property
+    def wait_sec(self) -> float: ...
+    @property
+    def usage(self) -> float | None: ...
+    @property
+    def pressure(self) -> float | None: ...
+    @property
+    def hit_ratio(self) -> float | None: ...
+    @property
+    def retain_session(self) -> bool: ...
+    @property
+    def reserved(self) -> bool: ...
+    @property
+    def revoked(self) -> bool: ...
+    @property
+    def working_set_blocks(self) -> int | None: ...
+    @property
+    def num_preempted(self) -> int: ...
+
+
+_Action: TypeAlias = ProbeUsage | ProbePrefix | Wait | Admit | Preempted
+
+
+class _Histogram(TypedDict):
+    count: int
+    sum: float
+    #: (upper bound, cumulative count); the last bound is ``inf``.
+    buckets: list[tuple[float, int]]
+
+
+class _ProbeHistogram(_Histogram):
+    #: Calls that raised or timed out.
+    failures: int
+
+
+class _ProbeStatsByKind(TypedDict):
+    usage: _ProbeHistogram
+    prefix: _ProbeHistogram
+    forget: _ProbeHistogram
+
+
+class _AdmissionsByReason(TypedDict):
+    open: int
+    reserved_session: int
+    prefix_probe_unavailable: int
+    resident_prefix: int
+    max_wait: int
+
+
+class _GateStatsDict(TypedDict):
+    """``GateCore.stats()``. Always: ``attempts == admissions_total + preemptions +
+    cancellations + pending`` and ``admissions_total == leases_released +
+    leases_dropped_unreleased + leases_active``."""
+
+    admissions: _AdmissionsByReason
+    admissions_total: int
+    attempts: int
+    revocations: int
+    preemptions: int
+    cancellations: int
+    leases_released: int
+    leases_dropped_unreleased: int
+    grace_expired: int
+    sessions_finished: int
+    leases_active: int
+    reservations_held: int
+    reservations_idle: int
+    committed_blocks: int
+    pending: int
+    waiting: int
+    sessions: int
+    wait_sec: _Histogram
+    probes: _ProbeStatsByKind
+
+
+@final
+class GateCore:
+    """The sans-IO admission state machine. It never reads a clock: every call takes ``now``
+    (monotonic seconds). Use it from one thread (the driver's event loop)."""
+
+    def __new__(cls, config: GateConfig | None = None) -> GateCore: ...
+    @property
+    def config(self) -> GateConfig: ...
+    @property
+    def epoch(self) -> int:
+        """Increases whenever waiters should poll again."""
+    def begin(
+        self,
+        session_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        retain_session: bool,
+        now: float,
+    ) -> int:
+        """Starts an attempt; returns its id. Preempts the session's older pending attempt."""
+    def poll(self, attempt: int, now: float) -> _Action:
+        """What to do next; ``LookupError`` once the attempt is over."""
+    def on_usage(
+        self,
+        attempt: int,
+        kv_cache_usage: float,
+        num_blocks: int,
+        num_free_blocks: int,
+        num_cached_free_blocks: int,
+        block_size: int,
+        now: float,
+    ) -> None: ...
+    def on_usage_unavailable(self, attempt: int, reason: str, now: float) -> None: ...
+    def on_prefix(
+        self,
+        attempt: int,
+        hit_ratio: float,
+        hit_blocks: int,
+        hit_tokens: int,
+        prompt_tokens: int,
+        now: float,
+    ) -> None: ...
+    def on_prefix_unavailable(self, attempt: int, reason: str, now: float) -> None: ...
+    def record_probe(self, kind: _ProbeKindName, secs: float, ok: bool) -> None: ...
+    def cancel(self, attempt: int, now: float) -> bool:
+        """Forgets a pending attempt (queue slot included); False if unknown."""
+    def release(self, lease: int, now: float) -> bool:
+        """Releases a lease; False (a no-op) if released already."""
+    def release_dropped(self, lease: int, now: float) -> bool:
+        """Releases a lease its holder dropped; counted in ``leases_dropped_unreleased``."""
+    def finish_session(self, session_id: str, now: float) -> bool:
+        """Ends the session's ownership window; whether there was one."""
+    def expire(self, now: float) -> int:
+        """Purges idle grace windows that ended by ``now``; how many."""
+    def next_deadline(self) -> float | None: ...
+    def num_preempted(self, session_id: str) -> int: ...
+    def has_reservation(self, session_id: str) -> bool: ...
+    def approx_bytes(self) -> int: ...
+    def check_invariants(self) -> None:
+        """Raises ``RuntimeError`` describing the first internal inconsistency."""
+    def stats(self) -> _GateStatsDict: ...
+    def prometheus(self) -> str: ...
