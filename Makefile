@@ -8,12 +8,12 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python lint demo demo-probe bench bench-probe bench-gate clean
+.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate clean
 
 setup:
 	bash scripts/setup.sh
 
-test: setup lint test-rust test-python
+test: setup lint test-rust test-python test-c
 
 lint: setup
 	cargo fmt --check
@@ -26,6 +26,27 @@ test-rust:
 
 test-python: setup
 	$(PY) -m pytest -q tests/python
+
+# The C ABI as C and C++ callers see it: include/session_gate.h and session_gate.hpp compiled
+# strictly, linked against the shared library `cargo build` makes, run plain, then again under
+# valgrind. Only definite and indirect leaks fail: tokio may keep some memory reachable.
+C_OUT := target/c-tests
+C_LIB := $(CURDIR)/target/debug
+C_LINK := -L$(C_LIB) -lsession_gate -Wl,-rpath,$(C_LIB) -lpthread
+VALGRIND := valgrind --leak-check=full --show-leak-kinds=definite,indirect \
+	--errors-for-leak-kinds=definite,indirect --error-exitcode=1
+
+test-c:
+	cargo build --lib
+	mkdir -p $(C_OUT)
+	cc -std=c11 -Wall -Wextra -Werror -pedantic -Iinclude tests/c/test_gate.c \
+		-o $(C_OUT)/test_gate $(C_LINK)
+	c++ -std=c++17 -Wall -Wextra -Werror -pedantic -Iinclude -Itests/c \
+		tests/c/test_gate.cc tests/c/cxx_harness.cc -o $(C_OUT)/test_gate_cpp $(C_LINK)
+	$(C_OUT)/test_gate
+	$(C_OUT)/test_gate_cpp
+	$(VALGRIND) $(C_OUT)/test_gate
+	$(VALGRIND) $(C_OUT)/test_gate_cpp
 
 # The README's main job: the thrash benchmark's short version (no gate vs the default gate).
 demo: setup

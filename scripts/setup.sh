@@ -12,8 +12,9 @@ WHEELS="$(dirname "$VENV")/wheels"
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 
-# libclang for bindgen (build.rs). Debian package; needs root or sudo.
-if ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1 && ! ls /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+# libclang for bindgen (build.rs). Debian package; needs root or sudo. Check for the package, not
+# for any libclang*.so: libclang-cpp is often present without the libclang bindgen loads.
+if ! dpkg -s libclang-dev >/dev/null 2>&1 && ! ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1; then
   log "installing libclang-dev"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq

@@ -11,6 +11,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod error;
+pub mod ffi;
 pub mod gate;
 pub mod hashing;
 pub mod prefix;
