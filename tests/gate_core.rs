@@ -420,6 +420,36 @@ fn a_revoked_session_with_a_resident_prefix_rejoins_as_the_youngest() {
 }
 
 #[test]
+fn a_revoked_session_keeps_its_place_in_line_ahead_of_later_arrivals() {
+    let mut c = core();
+    let old = turn(&mut c, "old", 30, true, 0.0);
+    let mid = turn(&mut c, "mid", 30, true, 1.0);
+    // "late" arrives after "mid" obtained its reservation: 60 + 40 > 85, it waits.
+    let late = c.begin("late", tokens(40), 0, false, 2.0);
+    drive(&mut c, late, 2.0, usage(0.1), hit(0.0)).waits();
+    c.release(lease_of(&old), 3.0);
+    c.release(lease_of(&mid), 3.0);
+    // "mid" grows past the line and is revoked (30 older + 60 > 85) ...
+    let id = c.begin("mid", tokens(60), 0, true, 4.0);
+    drive(&mut c, id, 4.0, usage(0.1), hit(0.0)).waits();
+    assert_eq!(c.stats().revocations, 1);
+    // ... and waits in the place of its first admission: "late" would fit now (30 + 40 <= 85)
+    // but may not take the room ahead of it.
+    let run = drive(&mut c, late, 4.5, usage(0.1), hit(0.0));
+    assert!(matches!(run.action, Action::Wait { .. }));
+    assert_eq!(run.usage_probes, 0, "not the head: sleeps without probing");
+    c.finish_session("old", 5.0);
+    let run = drive(&mut c, id, 5.0, usage(0.1), hit(0.0));
+    assert_eq!(run.reason(), Reason::Open);
+    assert!(run.admitted().revoked);
+    // Then "late", which no longer fits next to it (60 + 40 > 85), waits on.
+    assert!(matches!(
+        drive(&mut c, late, 5.0, usage(0.1), hit(0.0)).action,
+        Action::Wait { .. }
+    ));
+}
+
+#[test]
 fn the_oldest_reservation_is_never_revoked() {
     let mut c = core();
     let old = turn(&mut c, "old", 10, true, 0.0);

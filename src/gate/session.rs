@@ -7,6 +7,8 @@ use std::collections::HashMap;
 pub(crate) struct Reservation {
     /// When the reservation was obtained, as a sequence number: the age order key.
     pub(crate) age: u64,
+    /// FIFO key of the attempt that obtained it: a revoked session waits in this place.
+    pub(crate) order: u64,
     /// Prompt + max_tokens of the latest admission, kept so blocks can be recomputed if the
     /// block size only becomes known later.
     pub(crate) ws_tokens: u64,

@@ -27,7 +27,7 @@ impl GateCore {
                 let usage = usage.unwrap_or(0.0);
                 let committed = self.ledger.committed();
                 if let Some(res) = &self.sessions.get(slot).reservation {
-                    let (age, old_ws) = (res.age, res.ws_blocks);
+                    let (age, old_ws, res_order) = (res.age, res.ws_blocks, res.order);
                     if let (Some(g), Some(ws)) = (self.geometry, ws) {
                         let line = hw * g.num_blocks as f64;
                         let updated = committed - old_ws + ws;
@@ -48,6 +48,7 @@ impl GateCore {
                         self.stats.revocations += 1;
                         self.epoch += 1;
                         let epoch = self.epoch;
+                        self.keep_place(id, res_order);
                         let a = self.attempt_mut(id);
                         a.revoked = true;
                         // Our own revocation is not news that should restart our cycle.
@@ -57,6 +58,7 @@ impl GateCore {
                     }
                 }
                 let committed = self.ledger.committed();
+                let fifo_ok = self.may_open(self.attempts[&id].order);
                 if fifo_ok {
                     if committed == 0 {
                         return Step::Admit(Reason::Open);
@@ -101,6 +103,23 @@ impl GateCore {
                 self.ledger.committed() + ws <= g.num_blocks
             }
             _ => true,
+        }
+    }
+
+    /// A revoked session keeps its place in line: the attempt takes the FIFO key of the one
+    /// that obtained the lost reservation (earlier, hence smaller) and waits ahead of sessions
+    /// that arrived after it. Its prefix is still resident, so it should be first to use the
+    /// room that frees up, before cold waiters whose prefixes are gone anyway.
+    pub(super) fn keep_place(&mut self, id: u64, order: u64) {
+        let a = self.attempts.get_mut(&id).expect("live attempt");
+        if order >= a.order {
+            return;
+        }
+        let old = a.order;
+        a.order = order;
+        if a.queued {
+            self.queue.remove(&old);
+            self.queue.insert(order, id);
         }
     }
 

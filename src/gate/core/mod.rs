@@ -10,10 +10,11 @@
 //! max_tokens; `committed` = working sets of every reserved session (in flight or idle).
 //! 1. The session holds a reservation: if older reservations are committed and their working
 //!    sets plus this `ws` exceed `line`, the reservation is *revoked* (counted; the lease says
-//!    `revoked`) and the attempt goes on as a cold one. The oldest reservation is never revoked:
-//!    with nothing older there is nobody to yield to. Otherwise it is admitted at once, no prefix
-//!    probe: `open` if usage < watermark, the updated committed set fits under `line` and FIFO
-//!    allows it, else `reserved_session`.
+//!    `revoked`) and the attempt goes on as a cold one, but keeps its session's place in line
+//!    (see FIFO). The oldest reservation is never revoked: with nothing older there is nobody
+//!    to yield to. Otherwise it is admitted at once, no prefix probe: `open` if usage <
+//!    watermark, the updated committed set fits under `line` and FIFO allows it, else
+//!    `reserved_session`.
 //! 2. Cold, and FIFO allows it (see below): `open` when nothing is committed (so an oversize
 //!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`.
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
@@ -34,7 +35,10 @@
 //! # FIFO, precisely
 //!
 //! Each attempt has an order key: its arrival (begin) order, inherited by a retry from the
-//! attempt it preempts, so a retry keeps the session's place in line. Attempts that were told to
+//! attempt it preempts, so a retry keeps the session's place in line. A revoked attempt takes
+//! the key of the attempt that obtained the lost reservation (and a reservation obtained with
+//! that key keeps it), so a revoked session waits ahead of every session that arrived after it:
+//! its prefix is still resident when room frees up, theirs is cold. Attempts that were told to
 //! wait sit in a queue by that key. A cold attempt may take free room (`open`) only when no
 //! queued attempt has a smaller key: a later waiter never takes room ahead of an earlier one
 //! that is still blocked, even when only the later one would fit. Admissions that do not take
@@ -540,6 +544,7 @@ impl GateCore {
                     let age = self.ledger.open(blocks);
                     session.reservation = Some(Reservation {
                         age,
+                        order: a.order,
                         ws_tokens: a.ws_tokens,
                         ws_blocks: blocks,
                         holders: 1,
