@@ -42,19 +42,25 @@ def _median_us(fn, repeats: int = REPEATS) -> float:
     return statistics.median(samples)
 
 
-def _vllm_python_probe(hash_fn, get_cached_block, tokens: list[int], block: int) -> int:
-    from vllm.v1.core.kv_cache_utils import hash_block_tokens
+def _vllm_python_probe(hash_fn, get_cached_block, tokens: list[int], block: int):
+    """vLLM's own path for one prompt: its request block hasher over a real ``Request``, then
+    ``get_cached_block`` per block until the first miss. Returns a function timing one run."""
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
 
-    parent, hashes = None, []
-    for start in range(0, len(tokens) - block + 1, block):
-        parent = hash_block_tokens(hash_fn, parent, tokens[start : start + block])
-        hashes.append(parent)
-    hit = 0
-    for h in hashes[: (len(tokens) - 1) // block]:
-        if not get_cached_block(h, [0]):
-            break
-        hit += 1
-    return hit * block
+    hasher = get_request_block_hasher(block, hash_fn)
+    request = Request("bench", tokens, SamplingParams(max_tokens=1), None)
+
+    def run() -> int:
+        hit = 0
+        for h in hasher(request)[: (len(tokens) - 1) // block]:
+            if not get_cached_block(h, [0]):
+                break
+            hit += 1
+        return hit * block
+
+    return run
 
 
 def bench_block_pool(block: int, prompt: list[int], grown: list[int]) -> dict[str, Any]:
@@ -79,14 +85,13 @@ def bench_block_pool(block: int, prompt: list[int], grown: list[int]) -> dict[st
     packed, packed_grown = (array.array("I", t).tobytes() for t in (prompt, grown))
 
     expect = (len(prompt) - 1) // block * block
+    vllm_probe = _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block)
     assert engine.probe(cache, None, packed)[1] == expect
-    assert _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block) == expect
+    assert vllm_probe() == expect
 
     full_us = _median_us(lambda: engine.probe(cache, None, packed))
     full_list_us = _median_us(lambda: engine.probe(cache, None, prompt))
-    python_us = _median_us(
-        lambda: _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block), 10
-    )
+    python_us = _median_us(vllm_probe, 10)
 
     counter = iter(range(10**9))
 
@@ -152,9 +157,9 @@ def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
 
         pool = core.scheduler.kv_cache_manager.block_pool
         hash_fn = get_hash_fn_by_name("sha256")
-        python_us = _median_us(
-            lambda: _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block), 10
-        )
+        vllm_probe = _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block)
+        assert vllm_probe() == answer["hit_tokens"]
+        python_us = _median_us(vllm_probe, 10)
         full_us = engine_us("session_gate_probe", None, packed)
         return {
             "block_size": block,
@@ -163,7 +168,7 @@ def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
             "speedup": python_us / full_us,
             "incremental_probe_us": statistics.median(incremental() for _ in range(REPEATS)),
             "usage_probe_us": engine_us("session_gate_usage"),
-            "num_cached_blocks": len(pool.cached_block_hashes_by_block),
+            "num_cached_blocks": len(pool.cached_block_hash_to_block),
         }
     finally:
         llm.llm_engine.engine_core.shutdown()
