@@ -82,16 +82,10 @@ fn put_uint32(buf: &mut [u8], major: u8, v: u32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hashing::test_util::{encoded, hex};
 
     fn cbor(parent: &[u8], tokens: &[u32]) -> Vec<u8> {
-        let mut out = Vec::new();
-        let len = encode_block(&mut out, parent, tokens);
-        out.truncate(len);
-        out
-    }
-
-    fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
+        encoded(encode_block, parent, tokens)
     }
 
     #[test]

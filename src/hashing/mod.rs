@@ -25,3 +25,24 @@ mod sha256;
 pub use algo::HashAlgo;
 pub use block_hash::BlockHash;
 pub use hasher::BlockHasher;
+
+/// Helpers shared by the serialisers' unit tests.
+#[cfg(test)]
+mod test_util {
+    /// Runs an `encode_block` function and returns exactly the bytes it produced.
+    pub(super) fn encoded(
+        encode: fn(&mut Vec<u8>, &[u8], &[u32]) -> usize,
+        parent: &[u8],
+        tokens: &[u32],
+    ) -> Vec<u8> {
+        let mut out = Vec::new();
+        let len = encode(&mut out, parent, tokens);
+        out.truncate(len);
+        out
+    }
+
+    /// Lower-case hex, as Python's `bytes.hex()` prints it.
+    pub(super) fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}

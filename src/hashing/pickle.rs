@@ -205,16 +205,10 @@ impl Writer<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hashing::test_util::{encoded, hex};
 
     fn pickle(parent: &[u8], tokens: &[u32]) -> Vec<u8> {
-        let mut out = Vec::new();
-        let len = encode_block(&mut out, parent, tokens);
-        out.truncate(len);
-        out
-    }
-
-    fn hex(bytes: &[u8]) -> String {
-        bytes.iter().map(|b| format!("{b:02x}")).collect()
+        encoded(encode_block, parent, tokens)
     }
 
     // Expected bytes from `pickle.dumps((b"\0" * 32, tuple(tokens), None), protocol=5).hex()`.
