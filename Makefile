@@ -8,7 +8,7 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate clean
+.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean
 
 setup:
 	bash scripts/setup.sh
@@ -66,6 +66,11 @@ bench-probe: setup
 bench-gate: setup
 	cargo run --release --quiet --example bench_gate
 	$(PY) -m session_gate.bench_gate
+
+# Proxy overhead on loopback, gate open: the same requests straight to vLLM and through
+# `session-gate proxy` in one run; the last line is JSON (p50/p99 of both and the difference).
+bench-proxy: setup
+	$(PY) -m session_gate.bench_proxy
 
 clean:
 	cargo clean

@@ -15,6 +15,8 @@ pub mod ffi;
 pub mod gate;
 pub mod hashing;
 pub mod prefix;
+#[cfg(feature = "proxy")]
+pub mod proxy;
 
 #[cfg(feature = "python")]
 mod python;

@@ -24,12 +24,14 @@ if TYPE_CHECKING:
     from ._native import GateConfig
     from .errors import AdmissionPreempted, SessionGateError
     from .gate import Lease, SessionGate
+    from .http_probe import HttpProbe
     from .probes import EngineProbe, Probe
 
 __all__ = [
     "AdmissionPreempted",
     "EngineProbe",
     "GateConfig",
+    "HttpProbe",
     "Lease",
     "Probe",
     "SessionGate",
@@ -40,6 +42,7 @@ _HOME = {
     "AdmissionPreempted": "errors",
     "EngineProbe": "probes",
     "GateConfig": "_native",
+    "HttpProbe": "http_probe",
     "Lease": "gate",
     "Probe": "probes",
     "SessionGate": "gate",

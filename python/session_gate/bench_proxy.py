@@ -1,0 +1,179 @@
+"""``make bench-proxy``: what ``session-gate proxy`` adds per request on loopback, gate open.
+
+Starts ``vllm serve`` (tiny CPU model, both session_gate plugins) and the proxy (release build),
+then sends the same small token-id completion (``max_tokens=1``) alternately straight to vLLM and
+through the proxy as a gated session (the gate stays open: the cache is nearly empty), one at a
+time over keep-alive connections. Prints p50/p99 of both and of the difference, and last one
+JSON line. Target: ≤ 1 ms added at p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def start_vllm(workdir: Path) -> tuple[subprocess.Popen, str]:
+    """``vllm serve`` over the tiny model on a free loopback port, both plugins on."""
+    from session_gate.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
+
+    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
+    port = free_port()
+    log = workdir / "vllm.log"
+    env = dict(os.environ, VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", model, "--served-model-name", "tiny", "--load-format", "dummy",
+        "--enforce-eager", "--dtype", "bfloat16", "--block-size", "32",
+        "--num-gpu-blocks-override", "1024", "--max-model-len", "4096",
+        "--enable-prefix-caching", "--gpu-memory-utilization", "0.1",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 900, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> float:
+    started = time.perf_counter()
+    conn.request("POST", path, body, {"content-type": "application/json"})
+    r = conn.getresponse()
+    data = r.read()
+    elapsed = time.perf_counter() - started
+    if r.status != 200:
+        raise RuntimeError(f"{path}: {r.status} {data[:300]!r}")
+    return elapsed
+
+
+def run(n: int, prompt_tokens: int) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-proxy-"))
+    vllm_proc, vllm_url = start_vllm(workdir)
+    proxy_proc = None
+    try:
+        subprocess.run(
+            ["cargo", "build", "--release", "--quiet", "--bin", "session-gate"],
+            cwd=ROOT,
+            check=True,
+        )
+        port = free_port()
+        log = workdir / "proxy.log"
+        with open(log, "wb") as out:
+            proxy_proc = subprocess.Popen(
+                [str(ROOT / "target/release/session-gate"), "proxy", "--replica", vllm_url,
+                 "--listen", f"127.0.0.1:{port}"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        wait_healthy(f"http://127.0.0.1:{port}/health", proxy_proc, 60, log)
+        vport = int(vllm_url.rsplit(":", 1)[1])
+        direct = http.client.HTTPConnection("127.0.0.1", vport)
+        proxied = http.client.HTTPConnection("127.0.0.1", port)
+        prompt = list(range(10, 10 + prompt_tokens))
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+        for _ in range(20):  # warm up both paths (and the prefix cache)
+            _post(direct, "/v1/completions", body)
+            _post(proxied, "/sess/bench/v1/completions", body)
+        d, p = [], []
+        for i in range(n):
+            # Alternate the order so drift affects both sides alike.
+            if i % 2:
+                d.append(_post(direct, "/v1/completions", body))
+                p.append(_post(proxied, "/sess/bench/v1/completions", body))
+            else:
+                p.append(_post(proxied, "/sess/bench/v1/completions", body))
+                d.append(_post(direct, "/v1/completions", body))
+        diffs = [b - a for a, b in zip(d, p, strict=True)]
+        ms = 1000.0
+        result = {
+            "bench": "proxy_overhead",
+            "requests": n,
+            "prompt_tokens": prompt_tokens,
+            "direct_p50_ms": _pct(d, 0.5) * ms,
+            "direct_p99_ms": _pct(d, 0.99) * ms,
+            "proxy_p50_ms": _pct(p, 0.5) * ms,
+            "proxy_p99_ms": _pct(p, 0.99) * ms,
+            "overhead_p50_ms": (_pct(p, 0.5) - _pct(d, 0.5)) * ms,
+            "overhead_p99_ms": (_pct(p, 0.99) - _pct(d, 0.99)) * ms,
+            "paired_overhead_median_ms": statistics.median(diffs) * ms,
+            "target_p50_ms": 1.0,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}",
+        }
+        return result
+    finally:
+        if proxy_proc is not None:
+            stop(proxy_proc)
+        stop(vllm_proc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    args = ap.parse_args()
+    result = run(args.requests, args.prompt_tokens)
+    for k, v in result.items():
+        if k.endswith("_ms"):
+            print(f"{k:28s} {v:8.3f}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""``vllm.endpoint_plugins`` entry point: the gate's probes as HTTP routes on ``vllm serve``.
+
+Opt-in, as vLLM requires for endpoint plugins: ``VLLM_PLUGINS=session_gate`` (the same name also
+allows the ``vllm.general_plugins`` entry that installs the engine-side utility methods, so one
+name turns on both halves). Routes, all POST, all answering JSON:
+
+``/session_gate/v1/usage``
+    ``session_gate_usage``: ``kv_cache_usage``, ``num_blocks``, ``num_free_blocks``,
+    ``num_cached_free_blocks``, ``block_size``, ``hash_algo``, ``engine_us``. Body ignored.
+``/session_gate/v1/probe``
+    ``session_gate_probe``. Body, one of:
+
+    - ``application/octet-stream``: the prompt as packed little-endian uint32 token ids (the
+      fastest form: it goes to the engine core untouched); session id in the ``session_id``
+      query parameter or the ``x-session-id`` header (optional).
+    - JSON ``{"session_id": ..., "token_ids": [...]}``;
+    - JSON ``{"session_id": ..., "prompt": "text" | [ids]}``: a completions prompt, tokenized
+      with the server's tokenizer exactly as ``/v1/completions`` would (``add_special_tokens``);
+    - JSON ``{"session_id": ..., "messages": [...]}``: a chat body, rendered with the server's
+      chat template and tokenized as ``/v1/chat/completions`` would (``add_generation_prompt``,
+      ``chat_template_kwargs``, ``tools``, ``continue_final_message`` are honoured).
+
+    Add ``"return_token_ids": true`` to get the prompt's ``token_ids`` back as well.
+``/session_gate/v1/forget``
+    ``{"session_id": ...}`` → ``{"forgotten": bool}``: drop the session's hash chain.
+
+Errors are ``{"error": {"message", "type", "code"}}`` (vLLM's shape): 400 for bad input, 503 when
+the engine-side plugin is missing (or the server has no engine), 500 for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from argparse import Namespace
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from session_gate.probes import pack_token_ids
+
+logger = logging.getLogger("session_gate")
+
+PREFIX = "/session_gate/v1"
+_STATE_ATTR = "session_gate_routes"
+
+#: Keys of a probe body that are ours; everything else of a chat/completions body is passed to
+#: vLLM's tokenize request models (which ignore what they do not know).
+_OWN_KEYS = {"session_id", "token_ids", "prompt", "messages", "return_token_ids"}
+
+
+class ProbeError(Exception):
+    """An error with its HTTP status, turned into vLLM's JSON error shape."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> JSONResponse:
+        kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
+            self.status, "InternalServerError"
+        )
+        return JSONResponse(
+            {"error": {"message": self.message, "type": kind, "code": self.status}},
+            status_code=self.status,
+        )
+
+
+def _engine_failure(exc: BaseException) -> ProbeError:
+    """Maps a failed utility call to an HTTP error: the engine answers with a message only."""
+    message = str(exc)
+    if "has no attribute 'session_gate_" in message:
+        return ProbeError(
+            503,
+            "the engine-side session_gate plugin is not loaded in vLLM's engine core "
+            "(install session-gate where vLLM runs and allow it: VLLM_PLUGINS=session_gate)",
+        )
+    if "invalid probe input" in message or "must be a str" in message:
+        # "Call to session_gate_probe method failed: invalid probe input: ..." → the tail.
+        return ProbeError(400, message.split("failed: ", 1)[-1])
+    return ProbeError(500, f"session_gate probe failed in the engine: {message}")
+
+
+class _Routes:
+    """Per-app state: how to reach the engine core and the server's tokenizer."""
+
+    def __init__(self, engine_client: Any, state: Any) -> None:
+        self.engine_client = engine_client
+        self.state = state
+
+    async def call(self, method: str, *args: Any) -> Any:
+        client = self.engine_client
+        if client is None or not hasattr(client, "engine_core"):
+            raise ProbeError(503, "this vLLM server has no engine to probe")
+        try:
+            return await client.engine_core.call_utility_async(method, *args)
+        except ProbeError:
+            raise
+        except Exception as exc:  # the engine's failure message, as an Exception
+            raise _engine_failure(exc) from exc
+
+    async def tokenize(self, body: dict[str, Any], raw_request: Request) -> list[int]:
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.tokenize.protocol import (
+            TokenizeChatRequest,
+            TokenizeCompletionRequest,
+        )
+
+        handler = getattr(self.state, "serving_tokenization", None)
+        if handler is None:
+            raise ProbeError(503, "this vLLM server has no tokenizer (skip_tokenizer_init?)")
+        fields = {k: v for k, v in body.items() if k not in _OWN_KEYS}
+        model: Any = TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest
+        if "messages" in body:
+            fields["messages"] = body["messages"]
+        else:
+            fields["prompt"] = body["prompt"]
+        known = {k: v for k, v in fields.items() if k in model.model_fields}
+        try:
+            request = model.model_validate(known)
+            answer = await handler.create_tokenize(request, raw_request)
+        except ProbeError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:  # pydantic and template errors
+            raise ProbeError(400, f"cannot tokenize the probe body: {exc}") from exc
+        except Exception as exc:
+            raise ProbeError(400, f"cannot tokenize the probe body: {exc!r}") from exc
+        if isinstance(answer, ErrorResponse):
+            raise ProbeError(
+                answer.error.code if answer.error.code in (400, 503) else 400,
+                f"cannot tokenize the probe body: {answer.error.message}",
+            )
+        return list(answer.tokens)
+
+
+def _routes(request: Request) -> _Routes:
+    routes = getattr(request.app.state, _STATE_ATTR, None)
+    if routes is None:
+        raise ProbeError(503, "the session_gate endpoint plugin was not initialised")
+    return routes
+
+
+def _session_id(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ProbeError(400, f"session_id must be a string or null, got {type(value).__name__}")
+
+
+def _token_ids(value: Any) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise ProbeError(400, "token_ids must be a non-empty list of integers")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= 2**32:
+            raise ProbeError(400, f"token_ids[{i}] = {t!r} is not a non-negative integer")
+    return value
+
+
+async def _json_body(request: Request, *, required: bool) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise ProbeError(400, "the request body must be a JSON object")
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ProbeError(400, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProbeError(400, "the request body must be a JSON object")
+    return body
+
+
+async def usage(request: Request) -> Response:
+    try:
+        return JSONResponse(await _routes(request).call("session_gate_usage"))
+    except ProbeError as err:
+        return err.response()
+
+
+async def probe(request: Request) -> Response:
+    try:
+        routes = _routes(request)
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        token_ids: list[int] | None = None
+        if content_type == "application/octet-stream":
+            packed = await request.body()
+            if not packed or len(packed) % 4:
+                raise ProbeError(
+                    400,
+                    f"an octet-stream probe body must be packed uint32 token ids "
+                    f"(a non-zero multiple of 4 bytes), got {len(packed)} bytes",
+                )
+            session_id = request.query_params.get("session_id") or request.headers.get(
+                "x-session-id"
+            )
+            want_ids = False
+        else:
+            body = await _json_body(request, required=True)
+            session_id = _session_id(body.get("session_id"))
+            want_ids = bool(body.get("return_token_ids", False))
+            given = [k for k in ("token_ids", "prompt", "messages") if k in body]
+            if len(given) != 1:
+                raise ProbeError(
+                    400, "the probe body needs exactly one of token_ids, prompt or messages"
+                )
+            if given[0] == "token_ids":
+                token_ids = _token_ids(body["token_ids"])
+            elif given[0] == "prompt" and isinstance(body["prompt"], list):
+                token_ids = _token_ids(body["prompt"])
+            elif given[0] == "prompt" and not isinstance(body["prompt"], str):
+                raise ProbeError(400, "prompt must be a string or a list of token ids")
+            elif given[0] == "messages" and not isinstance(body["messages"], list):
+                raise ProbeError(400, "messages must be a list of chat messages")
+            else:
+                token_ids = await routes.tokenize(body, request)
+                if not token_ids:
+                    raise ProbeError(400, "the prompt tokenizes to no tokens")
+            try:
+                packed = pack_token_ids(token_ids)
+            except OverflowError as exc:
+                raise ProbeError(400, f"token ids must fit in uint32: {exc}") from exc
+        answer = await routes.call("session_gate_probe", session_id, packed)
+        if want_ids:
+            answer["token_ids"] = token_ids
+        return JSONResponse(answer)
+    except ProbeError as err:
+        return err.response()
+
+
+async def forget(request: Request) -> Response:
+    try:
+        routes = _routes(request)
+        body = await _json_body(request, required=True)
+        session_id = body.get("session_id")
+        if not isinstance(session_id, str):
+            raise ProbeError(400, "session_id must be a string")
+        return JSONResponse(
+            {"forgotten": bool(await routes.call("session_gate_forget", session_id))}
+        )
+    except ProbeError as err:
+        return err.response()
+
+
+class SessionGateEndpoints:
+    """The ``session_gate`` endpoint plugin (see the module docstring)."""
+
+    name = "session_gate"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        router = APIRouter()
+        router.add_api_route(f"{PREFIX}/usage", usage, methods=["POST"], include_in_schema=True)
+        router.add_api_route(f"{PREFIX}/probe", probe, methods=["POST"])
+        router.add_api_route(f"{PREFIX}/forget", forget, methods=["POST"])
+        app.include_router(router)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        setattr(state, _STATE_ATTR, _Routes(engine_client, state))
+
+
+def plugin() -> SessionGateEndpoints:
+    """Entry point factory (zero arguments), as ``vllm.endpoint_plugins`` requires."""
+    return SessionGateEndpoints()

@@ -1,0 +1,348 @@
+//! Configuration of `session-gate proxy`: command-line flags over an optional TOML file over
+//! defaults. Every error names the field (flag and TOML key share one name, `-` vs `_`).
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::gate::{GateConfig, Pressure};
+
+/// Default listen address: loopback only, so nothing is exposed unless asked for.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8100";
+
+/// `session-gate proxy`: an OpenAI-compatible proxy with one session gate per vLLM replica.
+///
+/// Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, the same under
+/// /sess/{session_id}/v1/..., POST /sess/{session_id}/finish, GET /metrics, GET /health.
+/// The session id comes from the path or the session header; requests without one pass
+/// through ungated. Every flag can also be set in the TOML file given with --config (same
+/// name with `_` for `-`); flags win over the file.
+#[derive(Debug, Clone, Default, Parser)]
+#[command(name = "session-gate proxy", version)]
+pub struct ProxyArgs {
+    /// TOML file with any of the settings below (keys as flag names with `_`).
+    #[arg(long, short = 'c', value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Address to listen on [default: 127.0.0.1:8100]. Binds loopback unless told otherwise.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+
+    /// Base URL of a `vllm serve` replica run with VLLM_PLUGINS=session_gate
+    /// (repeat the flag or separate with commas), e.g. http://127.0.0.1:8000.
+    #[arg(long = "replica", value_name = "URL", value_delimiter = ',')]
+    pub replicas: Vec<String>,
+
+    /// Header carrying the session id when the path has none [default: x-session-id].
+    #[arg(long, value_name = "NAME")]
+    pub session_header: Option<String>,
+
+    /// Fraction of KV blocks above which a replica's gate is under pressure [default: 0.85].
+    #[arg(long, value_name = "FRACTION")]
+    pub high_watermark: Option<f64>,
+
+    /// Minimum prefix hit ratio for a `resident_prefix` admission [default: 0.8].
+    #[arg(long, value_name = "FRACTION")]
+    pub hit_threshold: Option<f64>,
+
+    /// Seconds a waiter sleeps before looking again when nothing wakes it [default: 5].
+    #[arg(long, value_name = "SEC")]
+    pub wait_poll_sec: Option<f64>,
+
+    /// Seconds a finished turn keeps its session's reservation (idle grace) [default: 60].
+    #[arg(long, value_name = "SEC")]
+    pub idle_grace_sec: Option<f64>,
+
+    /// What the watermark is compared with: `committed` or `engine` [default: committed].
+    #[arg(long, value_name = "MODE")]
+    pub pressure: Option<String>,
+
+    /// Admit with reason `max_wait` after waiting this long [default: never].
+    #[arg(long, value_name = "SEC")]
+    pub max_wait_sec: Option<f64>,
+
+    /// A probe slower than this counts as unavailable [default: 2].
+    #[arg(long, value_name = "SEC")]
+    pub probe_timeout_sec: Option<f64>,
+
+    /// Seconds between health checks (GET /health) of each replica [default: 2].
+    #[arg(long, value_name = "SEC")]
+    pub health_interval_sec: Option<f64>,
+
+    /// max_tokens assumed for the working set when a request sets none [default: 256].
+    #[arg(long, value_name = "TOKENS")]
+    pub default_max_tokens: Option<u64>,
+
+    /// Keep a session's reservation for idle_grace_sec after each turn [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub retain_session: Option<bool>,
+
+    /// At most this many sessions get their own label in per-session metrics; the rest are
+    /// summed under session="_other" [default: 64].
+    #[arg(long, value_name = "N")]
+    pub max_session_labels: Option<usize>,
+
+    /// Largest request body accepted, in bytes [default: 67108864].
+    #[arg(long, value_name = "BYTES")]
+    pub max_body_bytes: Option<usize>,
+}
+
+/// The TOML file: the same settings as the flags (`deny_unknown_fields`, so typos are named).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<String>,
+    replicas: Option<Vec<String>>,
+    session_header: Option<String>,
+    high_watermark: Option<f64>,
+    hit_threshold: Option<f64>,
+    wait_poll_sec: Option<f64>,
+    idle_grace_sec: Option<f64>,
+    pressure: Option<String>,
+    max_wait_sec: Option<f64>,
+    probe_timeout_sec: Option<f64>,
+    health_interval_sec: Option<f64>,
+    default_max_tokens: Option<u64>,
+    retain_session: Option<bool>,
+    max_session_labels: Option<usize>,
+    max_body_bytes: Option<usize>,
+}
+
+/// A configuration error; the message names the field.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    /// The field (flag / TOML key) that was wrong.
+    pub field: String,
+    /// What was wrong with it.
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "invalid configuration: `{}`: {}",
+            self.field, self.message
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.to_string(),
+        message: message.into(),
+    }
+}
+
+/// A replica's base URL, split for the HTTP client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaUrl {
+    /// As given, without a trailing `/` (used as the `replica` metrics label).
+    pub base: String,
+    /// `host:port` (port defaulted to 80).
+    pub authority: String,
+}
+
+/// The resolved configuration of the proxy.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// The replicas, in the order given.
+    pub replicas: Vec<ReplicaUrl>,
+    /// Lower-cased header name carrying the session id.
+    pub session_header: String,
+    /// Each replica's gate configuration (validated).
+    pub gate: GateConfig,
+    /// Seconds between health checks.
+    pub health_interval_sec: f64,
+    /// max_tokens assumed when a request sets none.
+    pub default_max_tokens: u64,
+    /// Whether leases ask for an idle grace window.
+    pub retain_session: bool,
+    /// Cap on per-session metric labels.
+    pub max_session_labels: usize,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+}
+
+/// Parses `http://host[:port][/]` (plain HTTP only: replicas sit on a trusted network).
+pub fn parse_replica(field: &str, url: &str) -> Result<ReplicaUrl, ConfigError> {
+    let trimmed = url.trim().trim_end_matches('/');
+    let rest = trimmed.strip_prefix("http://").ok_or_else(|| {
+        err(
+            field,
+            format!("{url:?} must start with http:// (https upstreams are not supported)"),
+        )
+    })?;
+    if rest.is_empty() || rest.contains('/') || rest.contains('?') || rest.contains('@') {
+        return Err(err(
+            field,
+            format!("{url:?} must be http://host[:port] with no path"),
+        ));
+    }
+    let authority = if rest.rsplit_once(':').is_some_and(|(_, p)| !p.contains(']')) {
+        let (_, port) = rest.rsplit_once(':').unwrap_or_default();
+        port.parse::<u16>()
+            .map_err(|_| err(field, format!("{url:?} has an invalid port {port:?}")))?;
+        rest.to_string()
+    } else {
+        format!("{rest}:80")
+    };
+    Ok(ReplicaUrl {
+        base: trimmed.to_string(),
+        authority,
+    })
+}
+
+impl ProxyConfig {
+    /// Resolves flags over the TOML file (if `--config` names one) over defaults.
+    pub fn load(args: &ProxyArgs) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            None => FileConfig::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
+                Self::parse_toml(&text)?
+            }
+        };
+        Self::resolve(args, file)
+    }
+
+    /// Resolves flags over a TOML document (for tests and embedders).
+    pub fn from_toml(args: &ProxyArgs, text: &str) -> Result<Self, ConfigError> {
+        Self::resolve(args, Self::parse_toml(text)?)
+    }
+
+    fn parse_toml(text: &str) -> Result<FileConfig, ConfigError> {
+        toml::from_str::<FileConfig>(text).map_err(|e| {
+            // The field is the key on the line the error points at (unknown key, bad value).
+            let field = e
+                .span()
+                .and_then(|span| {
+                    let start = text[..span.start.min(text.len())]
+                        .rfind('\n')
+                        .map_or(0, |i| i + 1);
+                    let line = text[start..].lines().next()?;
+                    let key = line.split('=').next()?.trim().trim_matches('"');
+                    (!key.is_empty() && !key.starts_with('[')).then(|| key.to_string())
+                })
+                .unwrap_or_else(|| "config".to_string());
+            err(
+                &field,
+                format!("in the TOML file: {}", e.to_string().trim()),
+            )
+        })
+    }
+
+    fn resolve(args: &ProxyArgs, file: FileConfig) -> Result<Self, ConfigError> {
+        let listen_text = args
+            .listen
+            .clone()
+            .or(file.listen)
+            .unwrap_or_else(|| DEFAULT_LISTEN.to_string());
+        let listen: SocketAddr = listen_text.parse().map_err(|e| {
+            err(
+                "listen",
+                format!("{listen_text:?} is not an address like 127.0.0.1:8100 ({e})"),
+            )
+        })?;
+        let replica_list = if args.replicas.is_empty() {
+            file.replicas.unwrap_or_default()
+        } else {
+            args.replicas.clone()
+        };
+        if replica_list.is_empty() {
+            return Err(err(
+                "replicas",
+                "at least one replica is needed (--replica http://host:port)",
+            ));
+        }
+        let mut replicas = Vec::with_capacity(replica_list.len());
+        for (i, url) in replica_list.iter().enumerate() {
+            let r = parse_replica(&format!("replicas[{i}]"), url)?;
+            if replicas.iter().any(|o: &ReplicaUrl| o.base == r.base) {
+                return Err(err(
+                    &format!("replicas[{i}]"),
+                    format!("{url:?} is listed twice"),
+                ));
+            }
+            replicas.push(r);
+        }
+        let session_header = args
+            .session_header
+            .clone()
+            .or(file.session_header)
+            .unwrap_or_else(|| "x-session-id".to_string())
+            .to_ascii_lowercase();
+        if axum::http::HeaderName::from_bytes(session_header.as_bytes()).is_err() {
+            return Err(err(
+                "session_header",
+                format!("{session_header:?} is not a valid header name"),
+            ));
+        }
+        let mut gate = GateConfig::default();
+        macro_rules! knob {
+            ($name:ident) => {
+                if let Some(v) = args.$name.or(file.$name) {
+                    gate.$name = v;
+                }
+            };
+        }
+        knob!(high_watermark);
+        knob!(hit_threshold);
+        knob!(wait_poll_sec);
+        knob!(idle_grace_sec);
+        knob!(probe_timeout_sec);
+        if let Some(v) = args.max_wait_sec.or(file.max_wait_sec) {
+            gate.max_wait_sec = Some(v);
+        }
+        if let Some(p) = args.pressure.clone().or(file.pressure) {
+            gate.pressure = Pressure::from_name(&p).map_err(|e| err("pressure", e.to_string()))?;
+        }
+        // The gate's own validation names the knob; the knob is the field.
+        gate.validate().map_err(|e| match &e {
+            crate::Error::InvalidKnob { knob, .. } => err(knob, e.to_string()),
+            _ => err("gate", e.to_string()),
+        })?;
+        let health_interval_sec = args
+            .health_interval_sec
+            .or(file.health_interval_sec)
+            .unwrap_or(2.0);
+        if !(health_interval_sec.is_finite() && health_interval_sec > 0.0) {
+            return Err(err(
+                "health_interval_sec",
+                format!("{health_interval_sec} must be a positive number of seconds"),
+            ));
+        }
+        let default_max_tokens = args
+            .default_max_tokens
+            .or(file.default_max_tokens)
+            .unwrap_or(256);
+        let max_session_labels = args
+            .max_session_labels
+            .or(file.max_session_labels)
+            .unwrap_or(64);
+        let max_body_bytes = args
+            .max_body_bytes
+            .or(file.max_body_bytes)
+            .unwrap_or(64 << 20);
+        if max_body_bytes == 0 {
+            return Err(err("max_body_bytes", "must be positive"));
+        }
+        Ok(Self {
+            listen,
+            replicas,
+            session_header,
+            gate,
+            health_interval_sec,
+            default_max_tokens,
+            retain_session: args.retain_session.or(file.retain_session).unwrap_or(true),
+            max_session_labels,
+            max_body_bytes,
+        })
+    }
+}

@@ -1,0 +1,170 @@
+//! [`HttpProbe`]: the gate's probes over HTTP, against `vllm serve` with the `session_gate`
+//! endpoint plugin (`POST /session_gate/v1/{usage,probe,forget}`).
+//!
+//! Prompts travel as packed little-endian `u32` token ids (`application/octet-stream`), which
+//! the server hands to the engine core untouched. The last usage answer is kept, so the router
+//! can compare replicas' headroom without probing again.
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
+use serde_json::Value;
+
+use super::upstream::{Client, percent_encode};
+use crate::error::{Error, Result};
+use crate::gate::{PrefixReport, Probe, ProbeFuture, UsageReport};
+
+/// Probes one `vllm serve` replica over HTTP.
+pub struct HttpProbe {
+    client: Client,
+    base: String,
+    authority: String,
+    last_usage: Mutex<Option<UsageReport>>,
+}
+
+impl std::fmt::Debug for HttpProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpProbe")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
+fn unavailable(what: impl std::fmt::Display) -> Error {
+    Error::ProbeUnavailable(what.to_string())
+}
+
+fn u64_field(v: &Value, key: &str) -> Result<u64> {
+    v.get(key)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| unavailable(format!("answer has no integer {key:?}")))
+}
+
+fn f64_field(v: &Value, key: &str) -> Result<f64> {
+    v.get(key)
+        .and_then(Value::as_f64)
+        .ok_or_else(|| unavailable(format!("answer has no number {key:?}")))
+}
+
+impl HttpProbe {
+    /// A probe of the replica at `base` (`http://host:port`) whose `host:port` is `authority`.
+    pub fn new(client: Client, base: &str, authority: &str) -> Self {
+        Self {
+            client,
+            base: base.trim_end_matches('/').to_string(),
+            authority: authority.to_string(),
+            last_usage: Mutex::new(None),
+        }
+    }
+
+    /// The last usage answer, if any arrived.
+    pub fn last_usage(&self) -> Option<UsageReport> {
+        *self.last_usage.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn post(&self, path_and_query: &str, content_type: &str, body: Bytes) -> Result<Value> {
+        let uri = format!("{}{}", self.base, path_and_query);
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(&uri)
+            .header(hyper::header::HOST, &self.authority)
+            .header(hyper::header::CONTENT_TYPE, content_type)
+            .body(Full::new(body))
+            .map_err(|e| unavailable(format!("{uri}: {e}")))?;
+        let response = self
+            .client
+            .request(request)
+            .await
+            .map_err(|e| unavailable(format!("{uri}: {e}")))?;
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| unavailable(format!("{uri}: {e}")))?
+            .to_bytes();
+        let value: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| unavailable(format!("{uri} answered {status} with non-JSON ({e})")))?;
+        if status != StatusCode::OK {
+            let message = value
+                .pointer("/error/message")
+                .and_then(Value::as_str)
+                .unwrap_or("no message");
+            return Err(unavailable(format!("{uri} answered {status}: {message}")));
+        }
+        Ok(value)
+    }
+
+    async fn usage_impl(&self) -> Result<UsageReport> {
+        let v = self
+            .post("/session_gate/v1/usage", "application/json", Bytes::new())
+            .await?;
+        let report = UsageReport {
+            kv_cache_usage: f64_field(&v, "kv_cache_usage")?,
+            num_blocks: u64_field(&v, "num_blocks")?,
+            num_free_blocks: u64_field(&v, "num_free_blocks")?,
+            num_cached_free_blocks: u64_field(&v, "num_cached_free_blocks")?,
+            block_size: u64_field(&v, "block_size")?,
+        };
+        *self.last_usage.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
+        Ok(report)
+    }
+
+    async fn prefix_impl(&self, session_id: &str, prompt_ids: &[u32]) -> Result<PrefixReport> {
+        let mut packed = Vec::with_capacity(prompt_ids.len() * 4);
+        for t in prompt_ids {
+            packed.extend_from_slice(&t.to_le_bytes());
+        }
+        let path = format!(
+            "/session_gate/v1/probe?session_id={}",
+            percent_encode(session_id)
+        );
+        let v = self
+            .post(&path, "application/octet-stream", Bytes::from(packed))
+            .await?;
+        if v.get("available").and_then(Value::as_bool) == Some(false) {
+            let reason = v
+                .get("reason")
+                .and_then(Value::as_str)
+                .unwrap_or("prefix probe answered unavailable");
+            return Err(unavailable(reason));
+        }
+        Ok(PrefixReport {
+            hit_ratio: f64_field(&v, "hit_ratio")?,
+            hit_blocks: u64_field(&v, "hit_blocks")?,
+            hit_tokens: u64_field(&v, "hit_tokens")?,
+            prompt_tokens: u64_field(&v, "prompt_tokens")?,
+        })
+    }
+
+    async fn forget_impl(&self, session_id: &str) -> Result<()> {
+        let body = serde_json::to_vec(&serde_json::json!({ "session_id": session_id }))
+            .map_err(|e| unavailable(e.to_string()))?;
+        self.post(
+            "/session_gate/v1/forget",
+            "application/json",
+            Bytes::from(body),
+        )
+        .await
+        .map(|_| ())
+    }
+}
+
+impl Probe for HttpProbe {
+    fn usage(&self) -> ProbeFuture<'_, UsageReport> {
+        Box::pin(self.usage_impl())
+    }
+
+    fn prefix<'a>(
+        &'a self,
+        session_id: &'a str,
+        prompt_ids: &'a [u32],
+    ) -> ProbeFuture<'a, PrefixReport> {
+        Box::pin(self.prefix_impl(session_id, prompt_ids))
+    }
+
+    fn forget<'a>(&'a self, session_id: &'a str) -> ProbeFuture<'a, ()> {
+        Box::pin(self.forget_impl(session_id))
+    }
+}

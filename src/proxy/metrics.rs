@@ -1,0 +1,316 @@
+//! The proxy's Prometheus exposition: each replica's gate metrics (label `replica`), and the
+//! proxy's own, described once here (prefix `session_gate_proxy_`).
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::sync::Mutex;
+
+use super::replicas::Replicas;
+
+/// Latency buckets (seconds) of `session_gate_proxy_request_duration_seconds`.
+pub const LATENCY_BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// Turn indices above this share the label `turn="{MAX_TURN_LABEL}+"`.
+pub const MAX_TURN_LABEL: u64 = 32;
+
+/// Sessions tracked for `num_preempted` beyond this are summed into `_other` at once.
+const MAX_TRACKED_SESSIONS: usize = 100_000;
+
+#[derive(Debug, Clone)]
+struct Hist {
+    counts: [u64; LATENCY_BUCKETS.len() + 1],
+    sum: f64,
+    count: u64,
+}
+
+impl Hist {
+    fn new() -> Self {
+        Self {
+            counts: [0; LATENCY_BUCKETS.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    fn observe(&mut self, v: f64) {
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.counts[i] += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+/// How a proxied request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Outcome {
+    /// The upstream answer was passed on completely.
+    Completed,
+    /// The client went away before the answer was complete; the upstream request was aborted.
+    ClientDisconnected,
+    /// The upstream failed (connection error or a broken stream).
+    UpstreamFailed,
+    /// The gate preempted the attempt (HTTP 409).
+    Preempted,
+    /// Rejected before forwarding (bad request, no healthy replica).
+    Rejected,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Completed => "completed",
+            Outcome::ClientDisconnected => "client_disconnected",
+            Outcome::UpstreamFailed => "upstream_failed",
+            Outcome::Preempted => "preempted",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    requests: BTreeMap<(String, &'static str, u16, Outcome), u64>,
+    by_turn: BTreeMap<u64, Hist>,
+    preempted: HashMap<String, u64>,
+    preempted_untracked: u64,
+}
+
+/// The proxy's own counters.
+#[derive(Debug)]
+pub struct ProxyMetrics {
+    inner: Mutex<Inner>,
+    max_session_labels: usize,
+}
+
+fn turn_label(turn: u64) -> String {
+    if turn > MAX_TURN_LABEL {
+        format!("{MAX_TURN_LABEL}+")
+    } else {
+        turn.to_string()
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl ProxyMetrics {
+    /// Empty metrics; at most `max_session_labels` sessions get their own label.
+    pub fn new(max_session_labels: usize) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            max_session_labels,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts one proxied request; `turn` (1-based, 0 = ungated) gets its latency observed.
+    pub fn request(
+        &self,
+        replica: &str,
+        route: &'static str,
+        status: u16,
+        outcome: Outcome,
+        turn: u64,
+        secs: f64,
+    ) {
+        let mut inner = self.lock();
+        *inner
+            .requests
+            .entry((replica.to_string(), route, status, outcome))
+            .or_default() += 1;
+        if turn > 0 && outcome == Outcome::Completed {
+            inner
+                .by_turn
+                .entry(turn.min(MAX_TURN_LABEL + 1))
+                .or_insert_with(Hist::new)
+                .observe(secs);
+        }
+    }
+
+    /// Counts a preempted attempt of `session_id`.
+    pub fn preempted(&self, session_id: &str) {
+        let mut inner = self.lock();
+        if let Some(n) = inner.preempted.get_mut(session_id) {
+            *n += 1;
+        } else if inner.preempted.len() < MAX_TRACKED_SESSIONS {
+            inner.preempted.insert(session_id.to_string(), 1);
+        } else {
+            inner.preempted_untracked += 1;
+        }
+    }
+
+    /// Forgets a finished session's per-session counters.
+    pub fn finish_session(&self, session_id: &str) {
+        let mut inner = self.lock();
+        if let Some(n) = inner.preempted.remove(session_id) {
+            inner.preempted_untracked += n;
+        }
+    }
+
+    /// The whole exposition: gate metrics per replica, then the proxy's.
+    pub fn render(&self, replicas: &Replicas) -> String {
+        let mut out = merge_gate_metrics(
+            replicas
+                .list
+                .iter()
+                .map(|r| (r.url.base.as_str(), r.gate.prometheus())),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP session_gate_proxy_replica_healthy Whether the replica passed its last health check."
+        );
+        let _ = writeln!(out, "# TYPE session_gate_proxy_replica_healthy gauge");
+        for r in &replicas.list {
+            let _ = writeln!(
+                out,
+                "session_gate_proxy_replica_healthy{{replica=\"{}\"}} {}",
+                escape(&r.url.base),
+                u8::from(r.is_healthy())
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP session_gate_proxy_sessions Sessions pinned to a replica (sticky routing)."
+        );
+        let _ = writeln!(out, "# TYPE session_gate_proxy_sessions gauge");
+        let _ = writeln!(
+            out,
+            "session_gate_proxy_sessions {}",
+            replicas.num_sessions()
+        );
+
+        let inner = self.lock();
+        let _ = writeln!(
+            out,
+            "# HELP session_gate_proxy_requests_total Proxied requests by replica, route, HTTP status and outcome."
+        );
+        let _ = writeln!(out, "# TYPE session_gate_proxy_requests_total counter");
+        for ((replica, route, status, outcome), n) in &inner.requests {
+            let _ = writeln!(
+                out,
+                "session_gate_proxy_requests_total{{replica=\"{}\",route=\"{route}\",status=\"{status}\",outcome=\"{}\"}} {n}",
+                escape(replica),
+                outcome.as_str()
+            );
+        }
+        let name = "session_gate_proxy_request_duration_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Latency of completed gated requests (admission wait included) by the session's turn index."
+        );
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for (turn, h) in &inner.by_turn {
+            let t = turn_label(*turn);
+            let mut cumulative = 0;
+            for (i, c) in h.counts.iter().enumerate() {
+                cumulative += c;
+                let le = LATENCY_BUCKETS
+                    .get(i)
+                    .map_or("+Inf".to_string(), |b| b.to_string());
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{turn=\"{t}\",le=\"{le}\"}} {cumulative}"
+                );
+            }
+            let _ = writeln!(out, "{name}_sum{{turn=\"{t}\"}} {}", h.sum);
+            let _ = writeln!(out, "{name}_count{{turn=\"{t}\"}} {}", h.count);
+        }
+        let name = "session_gate_proxy_session_preempted";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Attempts preempted per session (the most preempted sessions; the rest summed under session=\"_other\")."
+        );
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let mut top: Vec<(&String, &u64)> = inner.preempted.iter().collect();
+        top.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+        let mut other = inner.preempted_untracked;
+        for (i, (session, n)) in top.iter().enumerate() {
+            if i < self.max_session_labels {
+                let _ = writeln!(out, "{name}{{session=\"{}\"}} {n}", escape(session));
+            } else {
+                other += **n;
+            }
+        }
+        let _ = writeln!(out, "{name}{{session=\"_other\"}} {other}");
+        out
+    }
+}
+
+/// Merges several gates' expositions into one, each sample labelled with its replica and
+/// each family kept together (the text format requires it).
+pub fn merge_gate_metrics<'a>(gates: impl Iterator<Item = (&'a str, String)>) -> String {
+    // family name → (HELP/TYPE lines, samples), in first-seen order.
+    let mut order: Vec<String> = Vec::new();
+    let mut families: HashMap<String, (Vec<String>, Vec<String>)> = HashMap::new();
+    for (replica, text) in gates {
+        let label = format!("replica=\"{}\"", escape(replica));
+        let mut current = String::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# ") {
+                let mut parts = rest.splitn(3, ' ');
+                let (_, name) = (parts.next(), parts.next().unwrap_or_default());
+                current = name.to_string();
+                let entry = families.entry(current.clone()).or_insert_with(|| {
+                    order.push(current.clone());
+                    Default::default()
+                });
+                if !entry.0.iter().any(|l| l == line) {
+                    entry.0.push(line.to_string());
+                }
+            } else if !line.is_empty() {
+                let sample = match line.find('{') {
+                    Some(i) if line[..i].find(' ').is_none() => {
+                        format!("{}{{{label},{}", &line[..i], &line[i + 1..])
+                    }
+                    _ => match line.split_once(' ') {
+                        Some((name, value)) => format!("{name}{{{label}}} {value}"),
+                        None => continue,
+                    },
+                };
+                families
+                    .entry(current.clone())
+                    .or_insert_with(|| {
+                        order.push(current.clone());
+                        Default::default()
+                    })
+                    .1
+                    .push(sample);
+            }
+        }
+    }
+    let mut out = String::with_capacity(8192);
+    for name in &order {
+        let (headers, samples) = &families[name];
+        for l in headers.iter().chain(samples) {
+            out.push_str(l);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_families_stay_together_and_carry_the_replica() {
+        let a = "# HELP x_total X.\n# TYPE x_total counter\nx_total 1\n# HELP y Y.\n# TYPE y counter\ny{reason=\"open\"} 2\n";
+        let out = merge_gate_metrics([("a", a.to_string()), ("b", a.to_string())].into_iter());
+        assert_eq!(
+            out,
+            "# HELP x_total X.\n# TYPE x_total counter\nx_total{replica=\"a\"} 1\nx_total{replica=\"b\"} 1\n\
+             # HELP y Y.\n# TYPE y counter\ny{replica=\"a\",reason=\"open\"} 2\ny{replica=\"b\",reason=\"open\"} 2\n"
+        );
+    }
+}

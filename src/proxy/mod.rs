@@ -1,0 +1,111 @@
+//! `session-gate proxy`: an OpenAI-compatible HTTP proxy in front of one or more `vllm serve`
+//! replicas, with one session gate per replica.
+//!
+//! - Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, the same
+//!   under `/sess/{session_id}/v1/...`, `POST /sess/{session_id}/finish`, `GET /metrics`,
+//!   `GET /health`. The session id comes from the path or the session header (default
+//!   `x-session-id`); requests without one pass through ungated.
+//! - Sticky routing per session ([`replicas`]); a replica failing health checks is skipped and
+//!   its sessions re-routed.
+//! - Each gated request acquires its replica's gate before it is forwarded and releases when
+//!   the answer has been passed on, failed, or the client went away ([`forward`]). A retry
+//!   while the older attempt still waits preempts it: the older one gets HTTP 409.
+//! - The replicas run `vllm serve` with `VLLM_PLUGINS=session_gate`: the probes are the
+//!   `/session_gate/v1/*` routes ([`http_probe`]); text prompts and chat messages are tokenized
+//!   by the replica's own `/tokenize`.
+pub mod config;
+pub mod forward;
+pub mod http_probe;
+pub mod metrics;
+pub mod replicas;
+pub mod upstream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{any, get, post};
+
+pub use self::config::{ConfigError, ProxyArgs, ProxyConfig};
+pub use self::http_probe::HttpProbe;
+use self::metrics::ProxyMetrics;
+use self::replicas::Replicas;
+use self::upstream::Client;
+
+/// The proxy's shared state.
+#[derive(Debug)]
+pub struct Proxy {
+    /// Resolved configuration.
+    pub config: ProxyConfig,
+    /// Pooled client to the replicas.
+    pub client: Client,
+    /// Replicas, gates and sticky routing.
+    pub replicas: Arc<Replicas>,
+    /// The proxy's own metrics.
+    pub metrics: ProxyMetrics,
+}
+
+impl Proxy {
+    /// Builds the proxy's state (gates included) from a resolved configuration.
+    pub fn new(config: ProxyConfig) -> crate::Result<Arc<Self>> {
+        let client = upstream::client();
+        let replicas = Arc::new(Replicas::new(&config, &client)?);
+        let metrics = ProxyMetrics::new(config.max_session_labels);
+        Ok(Arc::new(Self {
+            config,
+            client,
+            replicas,
+            metrics,
+        }))
+    }
+
+    /// The axum router over this state.
+    pub fn router(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/v1/{*rest}", any(forward::v1))
+            .route("/sess/{session_id}/v1/{*rest}", any(forward::sess_v1))
+            .route("/sess/{session_id}/finish", post(forward::finish))
+            .route("/metrics", get(forward::metrics))
+            .route("/health", get(forward::health))
+            .layer(DefaultBodyLimit::max(self.config.max_body_bytes))
+            .with_state(self.clone())
+    }
+
+    /// Starts the replicas' health checks (call once, inside a tokio runtime).
+    pub fn spawn_health_checks(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let interval = Duration::from_secs_f64(self.config.health_interval_sec);
+        tokio::spawn(replicas::health_loop(
+            self.replicas.clone(),
+            self.client.clone(),
+            interval,
+        ))
+    }
+}
+
+/// Binds `config.listen`, starts health checks and serves until `shutdown` resolves.
+pub async fn serve(
+    config: ProxyConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let proxy = Proxy::new(config).map_err(std::io::Error::other)?;
+    let listener = tokio::net::TcpListener::bind(proxy.config.listen).await?;
+    eprintln!(
+        "session-gate proxy: listening on http://{} for {} replica(s): {}",
+        listener.local_addr()?,
+        proxy.replicas.list.len(),
+        proxy
+            .replicas
+            .list
+            .iter()
+            .map(|r| r.url.base.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    let health = proxy.spawn_health_checks();
+    let result = axum::serve(listener, proxy.router())
+        .with_graceful_shutdown(shutdown)
+        .await;
+    health.abort();
+    result
+}

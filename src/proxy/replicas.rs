@@ -1,0 +1,208 @@
+//! Replicas, their health, and sticky session routing.
+//!
+//! Each replica owns one [`Gate`] over its own [`HttpProbe`]. A session sticks to the replica
+//! it first went to (its prefix is cached there) until that replica fails health checks; a new
+//! (or re-routed) session goes to the healthy replica with the most headroom: the lowest of
+//! max(last vLLM usage, committed blocks ÷ total blocks), fewest active leases on ties.
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Method, Request};
+
+use super::config::{ProxyConfig, ReplicaUrl};
+use super::http_probe::HttpProbe;
+use super::upstream::Client;
+use crate::gate::Gate;
+
+/// One `vllm serve` replica.
+#[derive(Debug)]
+pub struct Replica {
+    /// Base URL (`http://host:port`), also the `replica` metrics label.
+    pub url: ReplicaUrl,
+    /// This replica's gate.
+    pub gate: Gate,
+    /// This replica's probe (kept for its last usage answer).
+    pub probe: Arc<HttpProbe>,
+    healthy: AtomicBool,
+}
+
+impl Replica {
+    /// Whether the last health check passed (true until the first one fails).
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Committed pressure: what a new session's placement compares.
+    pub fn pressure(&self) -> f64 {
+        let stats = self.gate.stats();
+        match self.probe.last_usage() {
+            Some(u) if u.num_blocks > 0 => u
+                .kv_cache_usage
+                .max(stats.committed_blocks as f64 / u.num_blocks as f64),
+            _ => stats.committed_blocks as f64,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Sticky {
+    replica: usize,
+    turns: u64,
+    last_seen: Instant,
+}
+
+/// The replicas and the session → replica map.
+#[derive(Debug)]
+pub struct Replicas {
+    /// In configuration order.
+    pub list: Vec<Arc<Replica>>,
+    sessions: Mutex<HashMap<String, Sticky>>,
+    next_ungated: std::sync::atomic::AtomicUsize,
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// Index into [`Replicas::list`].
+    pub index: usize,
+    /// 1-based turn index of this request within its session (0 when ungated).
+    pub turn: u64,
+}
+
+impl Replicas {
+    /// One replica (gate and probe) per configured URL.
+    pub fn new(config: &ProxyConfig, client: &Client) -> crate::Result<Self> {
+        let mut list = Vec::with_capacity(config.replicas.len());
+        for url in &config.replicas {
+            let probe = Arc::new(HttpProbe::new(client.clone(), &url.base, &url.authority));
+            let gate = Gate::new(probe.clone(), config.gate.clone())?;
+            list.push(Arc::new(Replica {
+                url: url.clone(),
+                gate,
+                probe,
+                healthy: AtomicBool::new(true),
+            }));
+        }
+        Ok(Self {
+            list,
+            sessions: Mutex::new(HashMap::new()),
+            next_ungated: Default::default(),
+        })
+    }
+
+    fn best(&self) -> Option<usize> {
+        let mut best: Option<(usize, f64, u64)> = None;
+        for (i, r) in self.list.iter().enumerate() {
+            if !r.is_healthy() {
+                continue;
+            }
+            let p = r.pressure();
+            let active = r.gate.stats().leases_active;
+            if best.is_none_or(|(_, bp, ba)| p < bp || (p == bp && active < ba)) {
+                best = Some((i, p, active));
+            }
+        }
+        best.map(|(i, ..)| i)
+    }
+
+    /// The replica for this session's next turn (sticky), or `None` when none is healthy.
+    pub fn route_session(&self, session_id: &str) -> Option<Route> {
+        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if let Some(s) = sessions.get_mut(session_id) {
+            if !self.list[s.replica].is_healthy() {
+                s.replica = self.best()?;
+            }
+            s.turns += 1;
+            s.last_seen = now;
+            return Some(Route {
+                index: s.replica,
+                turn: s.turns,
+            });
+        }
+        let index = self.best()?;
+        sessions.insert(
+            session_id.to_string(),
+            Sticky {
+                replica: index,
+                turns: 1,
+                last_seen: now,
+            },
+        );
+        Some(Route { index, turn: 1 })
+    }
+
+    /// The replica a session is pinned to, if any.
+    pub fn session_replica(&self, session_id: &str) -> Option<usize> {
+        let sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        sessions.get(session_id).map(|s| s.replica)
+    }
+
+    /// Forgets the session's pin (after `/sess/{id}/finish`).
+    pub fn forget_session(&self, session_id: &str) -> Option<usize> {
+        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        sessions.remove(session_id).map(|s| s.replica)
+    }
+
+    /// A healthy replica for an ungated request (round robin).
+    pub fn route_ungated(&self) -> Option<Route> {
+        let n = self.list.len();
+        let start = self.next_ungated.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| self.list[i].is_healthy())
+            .map(|index| Route { index, turn: 0 })
+    }
+
+    /// Drops pins of sessions idle for longer than `ttl` (bounded memory for abandoned ones).
+    pub fn expire_sessions(&self, ttl: Duration) {
+        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        sessions.retain(|_, s| now.duration_since(s.last_seen) < ttl);
+    }
+
+    /// Number of pinned sessions.
+    pub fn num_sessions(&self) -> usize {
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
+    }
+}
+
+/// One health check: `GET /health` answered 200 within two seconds.
+pub async fn check(client: &Client, replica: &Replica) -> bool {
+    let request = Request::builder()
+        .method(Method::GET)
+        .uri(format!("{}/health", replica.url.base))
+        .header(hyper::header::HOST, &replica.url.authority)
+        .body(Full::new(Bytes::new()));
+    let Ok(request) = request else { return false };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), client.request(request)).await,
+        Ok(Ok(r)) if r.status().is_success()
+    )
+}
+
+/// Checks every replica every `interval` and expires long-idle session pins, forever.
+pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Duration) {
+    loop {
+        for r in &replicas.list {
+            let ok = check(&client, r).await;
+            let was = r.healthy.swap(ok, Ordering::Relaxed);
+            if was != ok {
+                eprintln!(
+                    "session-gate proxy: replica {} is {}",
+                    r.url.base,
+                    if ok { "healthy again" } else { "unhealthy" }
+                );
+            }
+        }
+        replicas.expire_sessions(Duration::from_secs(3600));
+        tokio::time::sleep(interval).await;
+    }
+}

@@ -1,0 +1,63 @@
+//! The HTTP client the proxy uses for replicas (plain HTTP/1.1, pooled keep-alive), and small
+//! helpers shared by the probe and the forwarder.
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// The pooled client to every replica.
+pub type Client = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
+
+/// A keep-alive HTTP/1.1 client with `TCP_NODELAY` (small SSE frames must not wait for Nagle).
+pub fn client() -> Client {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_max_idle_per_host(256)
+        .build(connector)
+}
+
+/// Percent-encodes everything but RFC 3986 unreserved characters (for query values).
+pub fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) and ones the proxy sets itself: never forwarded.
+pub fn is_hop_header(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_encoding_keeps_only_unreserved_bytes() {
+        assert_eq!(percent_encode("a-b_c.d~e"), "a-b_c.d~e");
+        assert_eq!(percent_encode("s/ä b&"), "s%2F%C3%A4%20b%26");
+    }
+}

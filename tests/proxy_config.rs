@@ -1,0 +1,69 @@
+//! `session-gate proxy` configuration: flags over TOML over defaults; errors name the field.
+#![cfg(feature = "proxy")]
+use session_gate::proxy::{ProxyArgs, ProxyConfig};
+
+fn args(replicas: &[&str]) -> ProxyArgs {
+    ProxyArgs {
+        replicas: replicas.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+fn field_of(r: Result<ProxyConfig, session_gate::proxy::ConfigError>) -> String {
+    r.expect_err("configuration should be refused").field
+}
+
+#[test]
+fn defaults_bind_loopback() {
+    let c = ProxyConfig::from_toml(&args(&["http://127.0.0.1:8000"]), "").unwrap();
+    assert!(c.listen.ip().is_loopback());
+    assert_eq!(c.session_header, "x-session-id");
+    assert_eq!(c.replicas[0].authority, "127.0.0.1:8000");
+    assert!(c.retain_session);
+}
+
+#[test]
+fn flags_win_over_the_file() {
+    let mut a = args(&[]);
+    a.high_watermark = Some(0.5);
+    let toml =
+        "replicas = [\"http://a:1\", \"http://b\"]\nhigh_watermark = 0.7\nhit_threshold = 0.6\n";
+    let c = ProxyConfig::from_toml(&a, toml).unwrap();
+    assert_eq!(c.gate.high_watermark, 0.5);
+    assert_eq!(c.gate.hit_threshold, 0.6);
+    assert_eq!(c.replicas[1].authority, "b:80");
+}
+
+#[test]
+fn bad_values_name_their_field() {
+    assert_eq!(field_of(ProxyConfig::from_toml(&args(&[]), "")), "replicas");
+    assert_eq!(
+        field_of(ProxyConfig::from_toml(&args(&["https://a:1"]), "")),
+        "replicas[0]"
+    );
+    assert_eq!(
+        field_of(ProxyConfig::from_toml(&args(&["http://a:x"]), "")),
+        "replicas[0]"
+    );
+    assert_eq!(
+        field_of(ProxyConfig::from_toml(
+            &args(&["http://a:1", "http://a:1"]),
+            ""
+        )),
+        "replicas[1]"
+    );
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "listen = \"nowhere\"");
+    assert_eq!(field_of(r), "listen");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "hit_threshold = 1.5");
+    assert_eq!(field_of(r), "hit_threshold");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "pressure = \"vibes\"");
+    assert_eq!(field_of(r), "pressure");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "health_interval_sec = 0");
+    assert_eq!(field_of(r), "health_interval_sec");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "high_watermrk = 0.5");
+    assert_eq!(field_of(r), "high_watermrk");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "wait_poll_sec = \"x\"");
+    assert_eq!(field_of(r), "wait_poll_sec");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "replicas = [");
+    assert_eq!(field_of(r), "replicas");
+}

@@ -1,0 +1,436 @@
+"""End to end over HTTP: a real ``vllm serve`` on CPU (tiny dummy model with the tiny tokenizer,
+both session_gate plugins via ``VLLM_PLUGINS``) on loopback, the probe routes, ``HttpProbe``
+driving a ``SessionGate``, and ``session-gate proxy`` in front, driven by the official ``openai``
+client. Every process is started in its own process group and always terminated."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from session_gate.engine.tiny_tokenizer import WORD_BASE, word, write_tiny_model_with_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_BLOCKS = 128  # 127 usable
+BLOCK = 32
+MAX_MODEL_LEN = 4064
+START_TIMEOUT = float(os.environ.get("SESSION_GATE_SERVE_TIMEOUT", "900"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: bytes | dict | None = None, content_type: str = "application/json"):
+    """POST; returns (status, parsed JSON)."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else (body or b"")
+    req = urllib.request.Request(url, data=data, headers={"content-type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+            )
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate the process group; kill it if it does not go within 30 s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def vllm_url():
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-http-"))
+    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
+    port = free_port()
+    log = workdir / "vllm.log"
+    env = dict(os.environ, VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", model, "--served-model-name", "tiny",
+        "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+        "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
+        "--max-num-batched-tokens", str(MAX_MODEL_LEN),
+        "--enable-prefix-caching", "--gpu-memory-utilization", "0.1", "--seed", "0",
+        "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{url}/health", proc, START_TIMEOUT, log)
+        yield url
+    finally:
+        stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def proxy_url(vllm_url):
+    subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
+    binary = ROOT / "target" / "debug" / "session-gate"
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="session-gate-proxy-")) / "proxy.log"
+    args = [
+        str(binary), "proxy", "--replica", vllm_url, "--listen", f"127.0.0.1:{port}",
+        "--idle-grace-sec", "300", "--wait-poll-sec", "0.5", "--health-interval-sec", "1",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{url}/health", proc, 60, log)
+        yield url
+    finally:
+        stop(proc)
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(word(i) for i in ids)
+
+
+def ids(start: int, n: int) -> list[int]:
+    return [WORD_BASE + (start + i) % (4096 - WORD_BASE) for i in range(n)]
+
+
+def vllm_finished(vllm_url: str) -> dict[str, float]:
+    """vLLM's own count of finished requests, by finish reason."""
+    out: dict[str, float] = {}
+    for line in get_text(f"{vllm_url}/metrics").splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            reason = line.split('finished_reason="')[1].split('"')[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def vllm_gauge(vllm_url: str, name: str) -> float:
+    return metric(get_text(f"{vllm_url}/metrics"), name)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# -- the probe routes ------------------------------------------------------------------------
+
+
+def test_usage_route_answers_the_engines_block_counts(vllm_url):
+    status, usage = post(f"{vllm_url}/session_gate/v1/usage")
+    assert status == 200
+    assert usage["num_blocks"] == NUM_BLOCKS - 1
+    assert usage["block_size"] == BLOCK
+    assert 0.0 <= usage["kv_cache_usage"] <= 1.0
+    assert usage["num_free_blocks"] + usage["num_cached_free_blocks"] >= 0
+
+
+def test_probe_sees_a_served_prefix_whatever_form_the_prompt_takes(vllm_url):
+    prompt = ids(100, 3 * BLOCK + 1)
+    status, cold = post(f"{vllm_url}/session_gate/v1/probe", {"token_ids": prompt})
+    assert (status, cold["hit_tokens"], cold["prompt_tokens"]) == (200, 0, len(prompt))
+    # Serve it (as text: the tiny tokenizer maps word(i) to id i), then probe again three ways.
+    status, done = post(
+        f"{vllm_url}/v1/completions",
+        {"model": "tiny", "prompt": words(prompt), "max_tokens": 1},
+    )
+    assert status == 200 and done["usage"]["prompt_tokens"] == len(prompt)
+    by_ids = post(f"{vllm_url}/session_gate/v1/probe", {"session_id": "p", "token_ids": prompt})[1]
+    by_text = post(
+        f"{vllm_url}/session_gate/v1/probe",
+        {"session_id": "p", "prompt": words(prompt), "return_token_ids": True},
+    )[1]
+    packed = b"".join(t.to_bytes(4, "little") for t in prompt)
+    status, by_bytes = post(
+        f"{vllm_url}/session_gate/v1/probe?session_id=p", packed, "application/octet-stream"
+    )
+    assert status == 200
+    assert by_text["token_ids"] == prompt
+    for answer in (by_ids, by_text, by_bytes):
+        assert answer["available"] is True
+        assert answer["hit_tokens"] == 3 * BLOCK
+        assert answer["hit_ratio"] == pytest.approx(3 * BLOCK / len(prompt))
+
+
+def test_probe_renders_chat_messages_with_the_servers_template(vllm_url):
+    messages = [
+        {"role": "system", "content": words(ids(7, 3))},
+        {"role": "user", "content": words(ids(20, 2))},
+    ]
+    status, answer = post(
+        f"{vllm_url}/session_gate/v1/probe", {"messages": messages, "return_token_ids": True}
+    )
+    assert status == 200, answer
+    # <|system|> w.. <|user|> w.. <|assistant|>  (role ids 3, 4, 5)
+    assert answer["token_ids"] == [3, *ids(7, 3), 4, *ids(20, 2), 5]
+    assert answer["prompt_tokens"] == len(answer["token_ids"])
+
+
+@pytest.mark.parametrize(
+    "body, content_type, fragment",
+    [
+        (b"not json", "application/json", "not valid JSON"),
+        ({"session_id": "x"}, "application/json", "exactly one of"),
+        ({"token_ids": [1], "prompt": "w1"}, "application/json", "exactly one of"),
+        ({"token_ids": []}, "application/json", "non-empty"),
+        ({"token_ids": [1, "a"]}, "application/json", "token_ids[1]"),
+        ({"token_ids": [1, 99999]}, "application/json", "99999"),
+        ({"session_id": 5, "token_ids": [1]}, "application/json", "session_id"),
+        ({"messages": "hi"}, "application/json", "messages"),
+        (b"\x01\x00\x00", "application/octet-stream", "multiple of 4"),
+    ],
+)
+def test_bad_probe_input_is_a_json_400(vllm_url, body, content_type, fragment):
+    status, answer = post(f"{vllm_url}/session_gate/v1/probe", body, content_type)
+    assert status == 400
+    assert answer["error"]["code"] == 400
+    assert fragment in answer["error"]["message"]
+
+
+def test_forget_route(vllm_url):
+    post(f"{vllm_url}/session_gate/v1/probe", {"session_id": "f", "token_ids": ids(0, 40)})
+    assert post(f"{vllm_url}/session_gate/v1/forget", {"session_id": "f"}) == (
+        200,
+        {"forgotten": True},
+    )
+    assert post(f"{vllm_url}/session_gate/v1/forget", {"session_id": 1})[0] == 400
+
+
+def test_engine_side_plugin_missing_is_a_503():
+    """The engine core's answer when the general plugin is not loaded, mapped to 503 (the only
+    test here with a fake: it reproduces vLLM's failure message)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from session_gate.engine.http_routes import SessionGateEndpoints
+
+    class Core:
+        async def call_utility_async(self, name, *args):
+            raise Exception(
+                f"Call to {name} method failed: 'EngineCoreProc' object has no attribute '{name}'"
+            )
+
+    class Client:
+        engine_core = Core()
+
+    app = FastAPI()
+    plugin = SessionGateEndpoints()
+    plugin.attach_router(app)
+    asyncio.run(plugin.init_state(Client(), app.state, None))
+    with TestClient(app) as client:
+        for route, body in (("usage", {}), ("probe", {"token_ids": [1]})):
+            r = client.post(f"/session_gate/v1/{route}", json=body)
+            assert r.status_code == 503
+            assert "VLLM_PLUGINS=session_gate" in r.json()["error"]["message"]
+    app2 = FastAPI()
+    plugin.attach_router(app2)
+    asyncio.run(plugin.init_state(None, app2.state, None))  # the render server: no engine
+    with TestClient(app2) as client:
+        assert client.post("/session_gate/v1/usage").status_code == 503
+
+
+async def test_http_probe_drives_a_session_gate(vllm_url):
+    from session_gate import GateConfig, HttpProbe, SessionGate
+
+    async with HttpProbe(vllm_url) as probe:
+        usage = await probe.usage()
+        assert usage["num_blocks"] == NUM_BLOCKS - 1
+        answer = await probe.prefix("h", ids(900, 40))
+        assert answer["prompt_tokens"] == 40 and answer["available"] is True
+        gate = SessionGate(probe, GateConfig())
+        async with gate.admit("h", ids(900, 40), max_tokens=8) as lease:
+            assert lease.reason == "open"
+            assert lease.usage is not None
+        assert gate.has_reservation("h")
+        assert await gate.finish_session("h") is True
+        stats = gate.stats()
+        assert stats["probes"]["usage"]["failures"] == 0
+        assert stats["probes"]["forget"]["failures"] == 0
+        from session_gate.http_probe import HttpProbeError
+
+        with pytest.raises(HttpProbeError) as err:
+            await probe.prefix("h", [99999])
+        assert err.value.status == 400
+
+
+# -- the proxy -------------------------------------------------------------------------------
+
+
+def openai_client(base_url: str, **kwargs):
+    from openai import AsyncOpenAI
+
+    # max_retries=0: the test counts what reaches vLLM; retries would hide double sends.
+    return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, **kwargs)
+
+
+async def test_proxy_end_to_end(vllm_url, proxy_url):
+    import openai
+
+    finished_before = vllm_finished(vllm_url)
+    sent = 0  # generation requests that should reach vLLM exactly once
+
+    # Token-id completions under /sess/{id}/v1, two turns of one session.
+    a = openai_client(f"{proxy_url}/sess/agent-a/v1")
+    history = ids(1000, 70)
+    for _ in range(2):
+        r = await a.completions.create(model="tiny", prompt=history, max_tokens=4)
+        sent += 1
+        assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == len(history)
+        history = history + ids(1500, 40)
+
+    # Chat with the session in a header, plain and streamed.
+    b = openai_client(f"{proxy_url}/v1", default_headers={"x-session-id": "agent-b"})
+    messages = [{"role": "user", "content": words(ids(2000, 30))}]
+    chat = await b.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    sent += 1
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 3
+    chunks = []
+    stream = await b.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, stream=True
+    )
+    async for chunk in stream:
+        chunks.append(chunk)
+    sent += 1
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 5
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    # Ungated: no session id; /v1/models.
+    plain = openai_client(f"{proxy_url}/v1")
+    assert [m.id for m in (await plain.models.list()).data] == ["tiny"]
+    r = await plain.completions.create(model="tiny", prompt=ids(5, 10), max_tokens=2)
+    sent += 1
+
+    # A client that disconnects mid-stream: vLLM stops generating, the lease is released.
+    # (vLLM does not count client aborts in request_success_total, so this one is not "sent".)
+    tokens_before = vllm_gauge(vllm_url, "vllm:generation_tokens_total")
+    c = openai_client(f"{proxy_url}/sess/agent-c/v1")
+    stream = await c.completions.create(
+        model="tiny", prompt=ids(3000, 20), max_tokens=2000, stream=True
+    )
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 2:
+            break
+    await stream.close()
+    deadline = time.monotonic() + 60
+    while vllm_gauge(vllm_url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "vLLM kept generating for the abandoned stream"
+        await asyncio.sleep(0.2)
+    assert vllm_gauge(vllm_url, "vllm:generation_tokens_total") - tokens_before < 2000
+    text = get_text(f"{proxy_url}/metrics")
+    deadline = time.monotonic() + 10
+    while metric(text, "session_gate_proxy_requests_total", outcome="client_disconnected") < 1:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.2)
+        text = get_text(f"{proxy_url}/metrics")
+    assert metric(text, "session_gate_leases_active") == 0
+
+    # End every window so far: the retry storm below starts from an empty committed set.
+    for s in ("agent-a", "agent-b", "agent-c"):
+        assert post(f"{proxy_url}/sess/{s}/finish")[1]["finished"] is True
+    assert post(f"{proxy_url}/sess/never-seen/finish")[1]["finished"] is False
+
+    # Retry storm: a long session fills the committed set (110 of 127 blocks, > 0.85)...
+    big = openai_client(f"{proxy_url}/sess/big/v1")
+    await big.completions.create(model="tiny", prompt=ids(100, 3500), max_tokens=1)
+    sent += 1
+    # ...and keeps it in its idle grace window, so a cold session has to wait; its retries
+    # preempt the older attempts (409), and only the last one ever reaches vLLM.
+    cold = openai_client(f"{proxy_url}/sess/cold/v1")
+    attempts = []
+    for _ in range(4):
+        attempts.append(
+            asyncio.create_task(
+                cold.completions.create(model="tiny", prompt=ids(3900, 100), max_tokens=4)
+            )
+        )
+        await asyncio.sleep(0.3)
+    for t in attempts[:-1]:
+        with pytest.raises(openai.ConflictError) as err:
+            await t
+        assert err.value.status_code == 409
+        assert err.value.body["type"] == "preempted" or "preempted" in str(err.value)
+    assert not attempts[-1].done()
+    # The big session's next turn still gets in: it owns a reservation.
+    r = await big.completions.create(model="tiny", prompt=ids(100, 3500), max_tokens=1)
+    sent += 1
+    # Finishing the big session lets the cold one in.
+    assert post(f"{proxy_url}/sess/big/finish")[1]["finished"] is True
+    r = await asyncio.wait_for(attempts[-1], 60)
+    sent += 1
+    assert r.usage.completion_tokens == 4
+
+    text = get_text(f"{proxy_url}/metrics")
+    assert metric(text, "session_gate_admissions_total", reason="open") >= 6
+    assert metric(text, "session_gate_admissions_total", reason="reserved_session") >= 1
+    assert metric(text, "session_gate_preemptions_total") == 3
+    assert metric(text, "session_gate_proxy_session_preempted", session="cold") == 3
+    assert metric(text, "session_gate_proxy_requests_total", outcome="preempted", status="409") == 3
+    assert metric(text, "session_gate_proxy_request_duration_seconds_count", turn="2") >= 1
+    assert metric(text, "session_gate_leases_active") == 0
+    assert metric(text, "session_gate_proxy_replica_healthy") == 1
+
+    # vLLM served every forwarded request exactly once, and none of the preempted ones.
+    finished_after = vllm_finished(vllm_url)
+    served = sum(finished_after.values()) - sum(finished_before.values())
+    assert served == sent
+
+
+def test_proxy_rejects_bad_requests_with_json_errors(proxy_url):
+    status, body = post(f"{proxy_url}/sess/x/v1/completions", b"{", "application/json")
+    assert status == 400 and body["error"]["code"] == 400
+    status, body = post(f"{proxy_url}/sess/x/v1/completions", {"model": "tiny"})
+    assert status == 400 and "prompt" in body["error"]["message"]
+    status, body = post(f"{proxy_url}/v1/embeddings", {"model": "tiny"})
+    assert status == 404
