@@ -114,18 +114,6 @@ def mixed_workload(seed: int = 0) -> Workload:
     return Workload("mixed", tuple(mixed), seed=seed)
 
 
-def demo_workload(seed: int = 0) -> Workload:
-    """A few-minute version of ``default`` for ``make demo``: 8 sessions x 6 turns on a
-    384-block cache (~2.5x oversubscribed at the end)."""
-    rng = random.Random(seed)
-    return Workload(
-        "demo",
-        tuple(_sessions(rng, "s", 8, 6, (200, 600))),
-        engine=EngineShape(num_blocks=384),
-        seed=seed,
-    )
-
-
 def load_trace(path: str | Path, engine: EngineShape | None = None, seed: int = 0) -> Workload:
     """Read a JSONL trace (format in this module's docstring); errors name the line."""
     sessions = []
@@ -160,4 +148,4 @@ def dump_trace(workload: Workload, path: str | Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-WORKLOADS = {"default": default_workload, "mixed": mixed_workload, "demo": demo_workload}
+WORKLOADS = {"default": default_workload, "mixed": mixed_workload}
