@@ -67,3 +67,19 @@ fn bad_values_name_their_field() {
     let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "replicas = [");
     assert_eq!(field_of(r), "replicas");
 }
+
+#[test]
+fn usage_cache_ms_from_flag_file_and_default() {
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "").unwrap();
+    assert_eq!(c.usage_cache_ms, 100);
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "usage_cache_ms = 0").unwrap();
+    assert_eq!(c.usage_cache_ms, 0);
+    let mut a = args(&["http://a:1"]);
+    a.usage_cache_ms = Some(10);
+    let c = ProxyConfig::from_toml(&a, "usage_cache_ms = 30").unwrap();
+    assert_eq!(c.usage_cache_ms, 10);
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "usage_cache_ms = 600000");
+    assert_eq!(field_of(r), "usage_cache_ms");
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "usage_cache_ms = -1");
+    assert_eq!(field_of(r), "usage_cache_ms");
+}

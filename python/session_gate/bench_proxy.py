@@ -104,22 +104,24 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> float:
     return elapsed
 
 
-def run(n: int, prompt_tokens: int) -> dict:
+def run(n: int, prompt_tokens: int, proxy_bin: str | None = None, proxy_args=()) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-proxy-"))
     vllm_proc, vllm_url = start_vllm(workdir)
     proxy_proc = None
     try:
-        subprocess.run(
-            ["cargo", "build", "--release", "--quiet", "--bin", "session-gate"],
-            cwd=ROOT,
-            check=True,
-        )
+        if proxy_bin is None:
+            subprocess.run(
+                ["cargo", "build", "--release", "--quiet", "--bin", "session-gate"],
+                cwd=ROOT,
+                check=True,
+            )
+            proxy_bin = str(ROOT / "target/release/session-gate")
         port = free_port()
         log = workdir / "proxy.log"
         with open(log, "wb") as out:
             proxy_proc = subprocess.Popen(
-                [str(ROOT / "target/release/session-gate"), "proxy", "--replica", vllm_url,
-                 "--listen", f"127.0.0.1:{port}"],
+                [proxy_bin, "proxy", "--replica", vllm_url,
+                 "--listen", f"127.0.0.1:{port}", *proxy_args],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         wait_healthy(f"http://127.0.0.1:{port}/health", proxy_proc, 60, log)
@@ -167,8 +169,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument(
+        "--proxy-bin",
+        help="run this session-gate binary instead of building target/release/session-gate",
+    )
+    ap.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="extra `session-gate proxy` argument, repeatable, e.g. --proxy-arg=--usage-cache-ms=0",
+    )
     args = ap.parse_args()
-    result = run(args.requests, args.prompt_tokens)
+    result = run(args.requests, args.prompt_tokens, args.proxy_bin, args.proxy_arg)
     for k, v in result.items():
         if k.endswith("_ms"):
             print(f"{k:28s} {v:8.3f}")

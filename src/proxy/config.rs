@@ -11,6 +11,12 @@ use crate::gate::{GateConfig, Pressure};
 /// Default listen address: loopback only, so nothing is exposed unless asked for.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8100";
 
+/// Default `usage_cache_ms`.
+pub const DEFAULT_USAGE_CACHE_MS: u64 = 100;
+
+/// Largest accepted `usage_cache_ms`.
+pub const MAX_USAGE_CACHE_MS: u64 = 10_000;
+
 /// `session-gate proxy`: an OpenAI-compatible proxy with one session gate per vLLM replica.
 ///
 /// Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, the same under
@@ -66,6 +72,13 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "SEC")]
     pub probe_timeout_sec: Option<f64>,
 
+    /// Milliseconds a replica's usage answer (vLLM's KV usage) is reused by later requests;
+    /// concurrent requests share one usage probe. A lease released on the replica makes
+    /// the answer stale: it is then reused only while below high_watermark. Committed
+    /// pressure is exact regardless. 0 probes vLLM for every request [default: 100].
+    #[arg(long, value_name = "MS")]
+    pub usage_cache_ms: Option<u64>,
+
     /// Seconds between health checks (GET /health) of each replica [default: 2].
     #[arg(long, value_name = "SEC")]
     pub health_interval_sec: Option<f64>,
@@ -102,6 +115,7 @@ struct FileConfig {
     pressure: Option<String>,
     max_wait_sec: Option<f64>,
     probe_timeout_sec: Option<f64>,
+    usage_cache_ms: Option<u64>,
     health_interval_sec: Option<f64>,
     default_max_tokens: Option<u64>,
     retain_session: Option<bool>,
@@ -157,6 +171,8 @@ pub struct ProxyConfig {
     pub session_header: String,
     /// Each replica's gate configuration (validated).
     pub gate: GateConfig,
+    /// How long a replica's usage answer is reused, in milliseconds (0: never).
+    pub usage_cache_ms: u64,
     /// Seconds between health checks.
     pub health_interval_sec: f64,
     /// max_tokens assumed when a request sets none.
@@ -308,6 +324,19 @@ impl ProxyConfig {
             crate::Error::InvalidKnob { knob, .. } => err(knob, e.to_string()),
             _ => err("gate", e.to_string()),
         })?;
+        let usage_cache_ms = args
+            .usage_cache_ms
+            .or(file.usage_cache_ms)
+            .unwrap_or(DEFAULT_USAGE_CACHE_MS);
+        if usage_cache_ms > MAX_USAGE_CACHE_MS {
+            return Err(err(
+                "usage_cache_ms",
+                format!(
+                    "{usage_cache_ms} is too long: at most {MAX_USAGE_CACHE_MS} ms \
+                     (a usage answer that old says little about vLLM's cache)"
+                ),
+            ));
+        }
         let health_interval_sec = args
             .health_interval_sec
             .or(file.health_interval_sec)
@@ -338,6 +367,7 @@ impl ProxyConfig {
             replicas,
             session_header,
             gate,
+            usage_cache_ms,
             health_interval_sec,
             default_max_tokens,
             retain_session: args.retain_session.or(file.retain_session).unwrap_or(true),

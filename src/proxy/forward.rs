@@ -96,6 +96,7 @@ pub async fn finish(State(proxy): State<Arc<Proxy>>, Path(session): Path<String>
         return axum::Json(json!({ "session_id": session, "finished": false })).into_response();
     };
     let replica = &proxy.replicas.list[index];
+    replica.probe.released();
     let ended = replica.gate.finish_session(&session).await;
     axum::Json(json!({
         "session_id": session,
@@ -465,6 +466,8 @@ impl Guard {
             return;
         }
         if let Some(mut lease) = self.lease.take() {
+            // Before the release wakes any waiter: readings taken until now are pre-release.
+            self.replica.probe.released();
             lease.release();
         }
         self.proxy.metrics.request(

@@ -12,13 +12,15 @@
 //!   while the older attempt still waits preempts it: the older one gets HTTP 409.
 //! - The replicas run `vllm serve` with `VLLM_PLUGINS=session_gate`: the probes are the
 //!   `/session_gate/v1/*` routes ([`http_probe`]); text prompts and chat messages are tokenized
-//!   by the replica's own `/tokenize`.
+//!   by the replica's own `/tokenize`. Usage answers are cached for `usage_cache_ms` and
+//!   shared between concurrent requests ([`usage_cache`]).
 pub mod config;
 pub mod forward;
 pub mod http_probe;
 pub mod metrics;
 pub mod replicas;
 pub mod upstream;
+pub mod usage_cache;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +28,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{any, get, post};
+use axum::serve::ListenerExt;
 
 pub use self::config::{ConfigError, ProxyArgs, ProxyConfig};
 pub use self::http_probe::HttpProbe;
@@ -90,9 +93,15 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let proxy = Proxy::new(config).map_err(std::io::Error::other)?;
     let listener = tokio::net::TcpListener::bind(proxy.config.listen).await?;
+    let local = listener.local_addr()?;
+    // TCP_NODELAY on client connections: hyper writes a response's head and body separately,
+    // and Nagle's algorithm would hold the body until the client's delayed ACK (~40 ms).
+    let listener = listener.tap_io(|stream| {
+        let _ = stream.set_nodelay(true);
+    });
     eprintln!(
         "session-gate proxy: listening on http://{} for {} replica(s): {}",
-        listener.local_addr()?,
+        local,
         proxy.replicas.list.len(),
         proxy
             .replicas

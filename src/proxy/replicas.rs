@@ -16,6 +16,7 @@ use hyper::{Method, Request};
 use super::config::{ProxyConfig, ReplicaUrl};
 use super::http_probe::HttpProbe;
 use super::upstream::Client;
+use super::usage_cache::CachedProbe;
 use crate::gate::Gate;
 
 /// One `vllm serve` replica.
@@ -25,8 +26,9 @@ pub struct Replica {
     pub url: ReplicaUrl,
     /// This replica's gate.
     pub gate: Gate,
-    /// This replica's probe (kept for its last usage answer).
-    pub probe: Arc<HttpProbe>,
+    /// This replica's probe: [`HttpProbe`] behind the usage cache (kept for its last usage
+    /// answer, and told about releases).
+    pub probe: Arc<CachedProbe>,
     healthy: AtomicBool,
 }
 
@@ -78,7 +80,12 @@ impl Replicas {
     pub fn new(config: &ProxyConfig, client: &Client) -> crate::Result<Self> {
         let mut list = Vec::with_capacity(config.replicas.len());
         for url in &config.replicas {
-            let probe = Arc::new(HttpProbe::new(client.clone(), &url.base, &url.authority));
+            let http = Arc::new(HttpProbe::new(client.clone(), &url.base, &url.authority));
+            let probe = Arc::new(CachedProbe::new(
+                http,
+                Duration::from_millis(config.usage_cache_ms),
+                config.gate.high_watermark,
+            ));
             let gate = Gate::new(probe.clone(), config.gate.clone())?;
             list.push(Arc::new(Replica {
                 url: url.clone(),
