@@ -10,82 +10,19 @@ JSON line. Target: ≤ 1 ms added at p50.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from session_gate.engine.serve import start_proxy, start_vllm, stop
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-def start_vllm(workdir: Path) -> tuple[subprocess.Popen, str]:
-    """``vllm serve`` over the tiny model on a free loopback port, both plugins on."""
-    from session_gate.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
-
-    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
-    port = free_port()
-    log = workdir / "vllm.log"
-    env = dict(os.environ, VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", model, "--served-model-name", "tiny", "--load-format", "dummy",
-        "--enforce-eager", "--dtype", "bfloat16", "--block-size", "32",
-        "--num-gpu-blocks-override", "1024", "--max-model-len", "4096",
-        "--enable-prefix-caching", "--gpu-memory-utilization", "0.1",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", proc, 900, log)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, f"http://127.0.0.1:{port}"
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -106,7 +43,7 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> float:
 
 def run(n: int, prompt_tokens: int, proxy_bin: str | None = None, proxy_args=()) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-proxy-"))
-    vllm_proc, vllm_url = start_vllm(workdir)
+    vllm_proc, vllm_url = start_vllm(workdir, num_blocks=1024, max_model_len=4096)
     proxy_proc = None
     try:
         if proxy_bin is None:
@@ -116,15 +53,8 @@ def run(n: int, prompt_tokens: int, proxy_bin: str | None = None, proxy_args=())
                 check=True,
             )
             proxy_bin = str(ROOT / "target/release/session-gate")
-        port = free_port()
-        log = workdir / "proxy.log"
-        with open(log, "wb") as out:
-            proxy_proc = subprocess.Popen(
-                [proxy_bin, "proxy", "--replica", vllm_url,
-                 "--listen", f"127.0.0.1:{port}", *proxy_args],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        wait_healthy(f"http://127.0.0.1:{port}/health", proxy_proc, 60, log)
+        proxy_proc, proxy_url = start_proxy(proxy_bin, vllm_url, workdir, proxy_args)
+        port = int(proxy_url.rsplit(":", 1)[1])
         vport = int(vllm_url.rsplit(":", 1)[1])
         direct = http.client.HTTPConnection("127.0.0.1", vport)
         proxied = http.client.HTTPConnection("127.0.0.1", port)

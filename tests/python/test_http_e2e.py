@@ -6,14 +6,10 @@ client. Every process is started in its own process group and always terminated.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -21,19 +17,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from session_gate.engine.tiny_tokenizer import WORD_BASE, word, write_tiny_model_with_tokenizer
+from session_gate.engine.serve import start_proxy, start_vllm, stop
+from session_gate.engine.tiny_tokenizer import WORD_BASE, word
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32
 MAX_MODEL_LEN = 4064
 START_TIMEOUT = float(os.environ.get("SESSION_GATE_SERVE_TIMEOUT", "900"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: bytes | dict | None = None, content_type: str = "application/json"):
@@ -52,58 +43,19 @@ def get_text(url: str) -> str:
         return r.read().decode()
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
-            )
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout} s:\n{log.read_text()[-4000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Terminate the process group; kill it if it does not go within 30 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def vllm_url():
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-http-"))
-    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
-    port = free_port()
-    log = workdir / "vllm.log"
-    env = dict(os.environ, VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-        "--model", model, "--served-model-name", "tiny",
-        "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
-        "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
-        "--max-num-batched-tokens", str(MAX_MODEL_LEN),
-        "--enable-prefix-caching", "--gpu-memory-utilization", "0.1", "--seed", "0",
-        "--host", "127.0.0.1", "--port", str(port),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    extra = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0"]
+    proc, url = start_vllm(
+        workdir,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        extra_args=extra,
+        timeout=START_TIMEOUT,
+    )
     try:
-        wait_healthy(f"{url}/health", proc, START_TIMEOUT, log)
         yield url
     finally:
         stop(proc)
@@ -114,18 +66,10 @@ def vllm_url():
 def proxy_url(vllm_url):
     subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
     binary = ROOT / "target" / "debug" / "session-gate"
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="session-gate-proxy-")) / "proxy.log"
-    args = [
-        str(binary), "proxy", "--replica", vllm_url, "--listen", f"127.0.0.1:{port}",
-        "--idle-grace-sec", "300", "--wait-poll-sec", "0.5", "--health-interval-sec", "1",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-proxy-"))
+    extra = ["--idle-grace-sec", "300", "--wait-poll-sec", "0.5", "--health-interval-sec", "1"]
+    proc, url = start_proxy(binary, vllm_url, workdir, extra)
     try:
-        wait_healthy(f"{url}/health", proc, 60, log)
         yield url
     finally:
         stop(proc)
