@@ -15,6 +15,9 @@ class Patch:
     how: str
     why: str
     removable_when: str
+    #: ``module:attr.attr`` paths (or ``module:Class.attr`` for instance attributes set in
+    #: ``__init__``, given as ``module:Class#attr``) that must exist in the installed vLLM.
+    checks: tuple[str, ...] = ()
 
 
 LEDGER: tuple[Patch, ...] = (
@@ -24,6 +27,10 @@ LEDGER: tuple[Patch, ...] = (
         why="UTILITY calls resolve methods with getattr(EngineCore, name); there is no "
         "registry for third-party utility methods",
         removable_when="vLLM offers a plugin hook that registers engine-core utility methods",
+        checks=(
+            "vllm.v1.engine.core:EngineCore",
+            "vllm.v1.engine.core:EngineCore.reset_prefix_cache",
+        ),
     ),
     Patch(
         symbol="vllm.v1.core.block_pool.BlockHashToBlockMap._cache",
@@ -31,18 +38,26 @@ LEDGER: tuple[Patch, ...] = (
         why="get_one_block() is a Python call per block; the probe must stay within "
         "microseconds inside the engine loop",
         removable_when="BlockPool exposes a batched, side-effect-free longest-prefix lookup",
+        checks=("vllm.v1.core.block_pool:BlockHashToBlockMap#_cache",),
     ),
     Patch(
         symbol="vllm.v1.core.block_pool.BlockPool.cached_block_hashes_by_block, .blocks",
         how="read only: counts cached blocks whose ref_cnt is 0",
         why="get_usage() counts free-but-cached blocks as free; the gate needs both numbers",
         removable_when="BlockPool reports its number of cached free blocks",
+        checks=(
+            "vllm.v1.core.block_pool:BlockPool#cached_block_hashes_by_block",
+            "vllm.v1.core.block_pool:BlockPool#blocks",
+            "vllm.v1.core.kv_cache_utils:KVCacheBlock.ref_cnt",
+            "vllm.v1.core.kv_cache_utils:KVCacheBlock._block_hash",
+        ),
     ),
     Patch(
         symbol="vllm.v1.core.kv_cache_utils.NONE_HASH",
         how="read once on the first probe (after EngineCore.__init__ ran init_none_hash)",
         why="the first block's parent hash; random per process for xxhash without PYTHONHASHSEED",
         removable_when="never: it is the hash chain's root, reading it is the exact way",
+        checks=("vllm.v1.core.kv_cache_utils:init_none_hash",),
     ),
     Patch(
         symbol="KVCacheCoordinator.find_longest_cache_hit, kv_cache_utils.hash_block_tokens",
@@ -50,5 +65,21 @@ LEDGER: tuple[Patch, ...] = (
         why="hybrid models, EAGLE and context parallelism change the hit rule; vLLM's own "
         "functions are exact by construction",
         removable_when="never needed on plain full-attention engines",
+        checks=(
+            "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.find_longest_cache_hit",
+            "vllm.v1.core.kv_cache_coordinator:UnitaryKVCacheCoordinator",
+            "vllm.v1.core.kv_cache_utils:hash_block_tokens",
+        ),
+    ),
+    Patch(
+        symbol="app.state.serving_tokenization.create_tokenize, Tokenize*Request (vllm serve)",
+        how="called as-is from the endpoint plugin's /session_gate/v1/probe route (read only)",
+        why="a probe given text or chat messages must tokenize exactly as the server would",
+        removable_when="never: reusing the server's own tokenizer and chat template is the point",
+        checks=(
+            "vllm.entrypoints.serve.tokenize.protocol:TokenizeChatRequest",
+            "vllm.entrypoints.serve.tokenize.protocol:TokenizeCompletionRequest",
+            "vllm.entrypoints.serve.engine.protocol:ErrorResponse",
+        ),
     ),
 )
