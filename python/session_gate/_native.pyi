@@ -59,8 +59,6 @@ class ProbeEngine:
         blocks_hashed, blocks_reused)``. ``session_id=None`` does not remember the chain."""
     def forget(self, session_id: str) -> bool:
         """Drops a session's remembered hash chain; whether one was held."""
-    def clear(self) -> None:
-        """Drops every remembered chain."""
     @property
     def chain_cache_bytes(self) -> int: ...
     @property

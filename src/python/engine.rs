@@ -91,14 +91,6 @@ impl ProbeEngine {
         no_panic("session_gate_forget", || Ok(self.chains.forget(session_id)))
     }
 
-    /// Drops every remembered chain (after `reset_prefix_cache`, say).
-    fn clear(&mut self) -> PyResult<()> {
-        no_panic("ProbeEngine.clear", || {
-            self.chains = ChainCache::new(self.chains.budget_bytes());
-            Ok(())
-        })
-    }
-
     /// Bytes held by the per-session chain cache.
     #[getter]
     fn chain_cache_bytes(&self) -> usize {

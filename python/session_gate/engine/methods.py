@@ -195,10 +195,6 @@ class EngineState:
             raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
         return bool(self.native.forget(session_id)) if self.native is not None else False
 
-    def clear(self) -> None:
-        if self.native is not None:
-            self.native.clear()
-
 
 def _state(core: EngineCore) -> EngineState:
     state = core.__dict__.get(_STATE_ATTR)
