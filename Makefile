@@ -20,6 +20,7 @@ lint: setup
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
 	$(VENV)/bin/ruff check python tests
+	$(VENV)/bin/ruff format --check python tests
 
 test-rust:
 	cargo test

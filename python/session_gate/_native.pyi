@@ -36,7 +36,6 @@ _TokenIds: TypeAlias = Sequence[int] | bytes | bytearray
 
 # --------------------------------------------------------------------------- engine half
 
-
 @final
 class ProbeEngine:
     """Residency probe bound to one engine's hashing configuration."""
@@ -66,7 +65,6 @@ class ProbeEngine:
     @property
     def hash_algo(self) -> str: ...
 
-
 def count_cached_free_blocks(
     blocks: list[object], cached_block_hashes_by_block: dict[int, object]
 ) -> int:
@@ -92,7 +90,6 @@ _ReasonName = Literal[
     "open", "reserved_session", "prefix_probe_unavailable", "resident_prefix", "max_wait"
 ]
 _ProbeKindName = Literal["usage", "prefix", "forget"]
-
 
 @final
 class GateConfig:
@@ -136,21 +133,17 @@ class GateConfig:
     def to_dict(self) -> dict[str, float | str | None]: ...
     def __eq__(self, other: object, /) -> bool: ...
 
-
 @final
 class ProbeUsage:
     """_Action: call the probe's ``usage()``, then ``GateCore.on_usage``."""
-
 
 @final
 class ProbePrefix:
     """_Action: call the probe's ``prefix(session_id, prompt_ids)``, then ``GateCore.on_prefix``."""
 
-
 @final
 class Preempted:
     """_Action: a newer attempt of the same session took over; this attempt is over."""
-
 
 @final
 class Wait:
@@ -158,7 +151,6 @@ class Wait:
 
     @property
     def until(self) -> float: ...
-
 
 @final
 class Admit:
@@ -187,9 +179,7 @@ class Admit:
     @property
     def num_preempted(self) -> int: ...
 
-
 _Action: TypeAlias = ProbeUsage | ProbePrefix | Wait | Admit | Preempted
-
 
 class _Histogram(TypedDict):
     count: int
@@ -197,17 +187,14 @@ class _Histogram(TypedDict):
     #: (upper bound, cumulative count); the last bound is ``inf``.
     buckets: list[tuple[float, int]]
 
-
 class _ProbeHistogram(_Histogram):
     #: Calls that raised or timed out.
     failures: int
-
 
 class _ProbeStatsByKind(TypedDict):
     usage: _ProbeHistogram
     prefix: _ProbeHistogram
     forget: _ProbeHistogram
-
 
 class _AdmissionsByReason(TypedDict):
     open: int
@@ -215,7 +202,6 @@ class _AdmissionsByReason(TypedDict):
     prefix_probe_unavailable: int
     resident_prefix: int
     max_wait: int
-
 
 class _GateStatsDict(TypedDict):
     """``GateCore.stats()``. Always: ``attempts == admissions_total + preemptions +
@@ -241,7 +227,6 @@ class _GateStatsDict(TypedDict):
     sessions: int
     wait_sec: _Histogram
     probes: _ProbeStatsByKind
-
 
 @final
 class GateCore:

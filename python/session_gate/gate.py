@@ -339,8 +339,10 @@ class SessionGate:
         except Exception as exc:  # noqa: BLE001 - any probe failure means "unavailable"
             # A probe may raise TimeoutError of its own (an HTTP client's, say): only our
             # deadline expiring means the probe did not answer in time.
-            ours = deadline.expired() if deadline is not None else isinstance(
-                exc, asyncio.TimeoutError
+            ours = (
+                deadline.expired()
+                if deadline is not None
+                else isinstance(exc, asyncio.TimeoutError)
             )
             if ours:
                 return None, f"probe did not answer within {timeout} s"

@@ -30,9 +30,7 @@ class Probe(Protocol):
         ``block_size`` (as ``session_gate_usage`` answers)."""
         ...
 
-    async def prefix(
-        self, session_id: str, prompt_ids: Sequence[int] | bytes
-    ) -> dict[str, Any]:
+    async def prefix(self, session_id: str, prompt_ids: Sequence[int] | bytes) -> dict[str, Any]:
         """``available``, ``hit_ratio``, ``hit_blocks``, ``hit_tokens``, ``prompt_tokens`` (as
         ``session_gate_probe`` answers; ``reason`` when unavailable)."""
         ...
@@ -84,9 +82,7 @@ class EngineProbe:
         """``session_gate_usage``: vLLM's KV usage and the block counts behind it."""
         return await self._call("session_gate_usage")
 
-    async def prefix(
-        self, session_id: str, prompt_ids: Sequence[int] | bytes
-    ) -> dict[str, Any]:
+    async def prefix(self, session_id: str, prompt_ids: Sequence[int] | bytes) -> dict[str, Any]:
         """``session_gate_probe``: how much of this prompt's prefix vLLM would find cached."""
         return await self._call("session_gate_probe", session_id, pack_token_ids(prompt_ids))
 

@@ -102,9 +102,7 @@ class ScriptedProbe:
             await _misbehave(mode, arg)
         return self._usage
 
-    async def prefix(
-        self, session_id: str, prompt_ids: Sequence[int] | bytes
-    ) -> dict[str, Any]:
+    async def prefix(self, session_id: str, prompt_ids: Sequence[int] | bytes) -> dict[str, Any]:
         self.prefix_calls += 1
         prompt_tokens = len(prompt_ids) // 4 if isinstance(prompt_ids, bytes) else len(prompt_ids)
         mode, arg = self._prefix_mode

@@ -424,7 +424,10 @@ async def test_finish_session_swallows_and_counts_forget_errors():
 def test_config_defaults_are_the_seeds():
     c = GateConfig()
     assert (c.high_watermark, c.hit_threshold, c.wait_poll_sec, c.idle_grace_sec) == (
-        0.85, 0.80, 5.0, 60.0
+        0.85,
+        0.80,
+        5.0,
+        60.0,
     )
     assert c.pressure == "committed"
     assert c.max_wait_sec is None

@@ -76,8 +76,9 @@ async def test_a_full_cache_holds_the_cold_session_and_admits_the_resident_one(e
     await engine.reset_prefix_cache()
     gate = SessionGate(
         EngineProbe(engine),
-        GateConfig(high_watermark=0.85, wait_poll_sec=30.0, idle_grace_sec=600.0,
-                   probe_timeout_sec=10.0),
+        GateConfig(
+            high_watermark=0.85, wait_poll_sec=30.0, idle_grace_sec=600.0, probe_timeout_sec=10.0
+        ),
     )
     rng = random.Random(5)
 
