@@ -1,11 +1,22 @@
-"""Shared helpers for the Python tests: tiny CPU engines (one per module) and prompt builders."""
+"""Shared helpers for the Python tests: prompt builders, and for the HTTP tests the proxy binary,
+server start timeout, plain GETs and Prometheus sample sums."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import urllib.request
+from pathlib import Path
 
 import pytest
 from session_gate.engine.launch import generate
+from session_gate.engine.tiny_tokenizer import WORD_BASE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Seconds a ``vllm serve`` may take to become healthy (CPU start is ~40 s; CI machines vary).
+SERVE_TIMEOUT = float(os.environ.get("SESSION_GATE_SERVE_TIMEOUT", "900"))
 
 
 def run_prompt(llm, token_ids: list[int], max_tokens: int = 1) -> int:
@@ -20,3 +31,30 @@ def random_prompt(rng: random.Random, n: int, vocab: int = 4096) -> list[int]:
 @pytest.fixture
 def rng() -> random.Random:
     return random.Random(1234)
+
+
+def word_ids(start: int, n: int) -> list[int]:
+    """``n`` token ids the tiny tokenizer has words for, starting at word ``start``."""
+    return [WORD_BASE + (start + i) % (4096 - WORD_BASE) for i in range(n)]
+
+
+def proxy_binary() -> Path:
+    """Build ``session-gate`` (debug) and return its path."""
+    subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
+    return ROOT / "target" / "debug" / "session-gate"
+
+
+def get_text(url: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -17,14 +15,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary, word_ids
 from session_gate.engine.serve import start_proxy, start_vllm, stop
-from session_gate.engine.tiny_tokenizer import WORD_BASE, word
+from session_gate.engine.tiny_tokenizer import word
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32
 MAX_MODEL_LEN = 4064
-START_TIMEOUT = float(os.environ.get("SESSION_GATE_SERVE_TIMEOUT", "900"))
 
 
 def post(url: str, body: bytes | dict | None = None, content_type: str = "application/json"):
@@ -38,11 +35,6 @@ def post(url: str, body: bytes | dict | None = None, content_type: str = "applic
         return e.code, json.loads(e.read())
 
 
-def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.read().decode()
-
-
 @pytest.fixture(scope="module")
 def vllm_url():
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-http-"))
@@ -53,7 +45,7 @@ def vllm_url():
         block_size=BLOCK,
         max_model_len=MAX_MODEL_LEN,
         extra_args=extra,
-        timeout=START_TIMEOUT,
+        timeout=SERVE_TIMEOUT,
     )
     try:
         yield url
@@ -64,8 +56,7 @@ def vllm_url():
 
 @pytest.fixture(scope="module")
 def proxy_url(vllm_url):
-    subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
-    binary = ROOT / "target" / "debug" / "session-gate"
+    binary = proxy_binary()
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-proxy-"))
     extra = ["--idle-grace-sec", "300", "--wait-poll-sec", "0.5", "--health-interval-sec", "1"]
     proc, url = start_proxy(binary, vllm_url, workdir, extra)
@@ -77,10 +68,6 @@ def proxy_url(vllm_url):
 
 def words(ids: list[int]) -> str:
     return " ".join(word(i) for i in ids)
-
-
-def ids(start: int, n: int) -> list[int]:
-    return [WORD_BASE + (start + i) % (4096 - WORD_BASE) for i in range(n)]
 
 
 def vllm_finished(vllm_url: str) -> dict[str, float]:
@@ -97,17 +84,6 @@ def vllm_gauge(vllm_url: str, name: str) -> float:
     return metric(get_text(f"{vllm_url}/metrics"), name)
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 # -- the probe routes ------------------------------------------------------------------------
 
 
@@ -121,7 +97,7 @@ def test_usage_route_answers_the_engines_block_counts(vllm_url):
 
 
 def test_probe_sees_a_served_prefix_whatever_form_the_prompt_takes(vllm_url):
-    prompt = ids(100, 3 * BLOCK + 1)
+    prompt = word_ids(100, 3 * BLOCK + 1)
     status, cold = post(f"{vllm_url}/session_gate/v1/probe", {"token_ids": prompt})
     assert (status, cold["hit_tokens"], cold["prompt_tokens"]) == (200, 0, len(prompt))
     # Serve it (as text: the tiny tokenizer maps word(i) to id i), then probe again three ways.
@@ -149,15 +125,15 @@ def test_probe_sees_a_served_prefix_whatever_form_the_prompt_takes(vllm_url):
 
 def test_probe_renders_chat_messages_with_the_servers_template(vllm_url):
     messages = [
-        {"role": "system", "content": words(ids(7, 3))},
-        {"role": "user", "content": words(ids(20, 2))},
+        {"role": "system", "content": words(word_ids(7, 3))},
+        {"role": "user", "content": words(word_ids(20, 2))},
     ]
     status, answer = post(
         f"{vllm_url}/session_gate/v1/probe", {"messages": messages, "return_token_ids": True}
     )
     assert status == 200, answer
     # <|system|> w.. <|user|> w.. <|assistant|>  (role ids 3, 4, 5)
-    assert answer["token_ids"] == [3, *ids(7, 3), 4, *ids(20, 2), 5]
+    assert answer["token_ids"] == [3, *word_ids(7, 3), 4, *word_ids(20, 2), 5]
     assert answer["prompt_tokens"] == len(answer["token_ids"])
 
 
@@ -183,7 +159,7 @@ def test_bad_probe_input_is_a_json_400(vllm_url, body, content_type, fragment):
 
 
 def test_forget_route(vllm_url):
-    post(f"{vllm_url}/session_gate/v1/probe", {"session_id": "f", "token_ids": ids(0, 40)})
+    post(f"{vllm_url}/session_gate/v1/probe", {"session_id": "f", "token_ids": word_ids(0, 40)})
     assert post(f"{vllm_url}/session_gate/v1/forget", {"session_id": "f"}) == (
         200,
         {"forgotten": True},
@@ -229,10 +205,10 @@ async def test_http_probe_drives_a_session_gate(vllm_url):
     async with HttpProbe(vllm_url) as probe:
         usage = await probe.usage()
         assert usage["num_blocks"] == NUM_BLOCKS - 1
-        answer = await probe.prefix("h", ids(900, 40))
+        answer = await probe.prefix("h", word_ids(900, 40))
         assert answer["prompt_tokens"] == 40 and answer["available"] is True
         gate = SessionGate(probe, GateConfig())
-        async with gate.admit("h", ids(900, 40), max_tokens=8) as lease:
+        async with gate.admit("h", word_ids(900, 40), max_tokens=8) as lease:
             assert lease.reason == "open"
             assert lease.usage is not None
         assert gate.has_reservation("h")
@@ -265,16 +241,16 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
 
     # Token-id completions under /sess/{id}/v1, two turns of one session.
     a = openai_client(f"{proxy_url}/sess/agent-a/v1")
-    history = ids(1000, 70)
+    history = word_ids(1000, 70)
     for _ in range(2):
         r = await a.completions.create(model="tiny", prompt=history, max_tokens=4)
         sent += 1
         assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == len(history)
-        history = history + ids(1500, 40)
+        history = history + word_ids(1500, 40)
 
     # Chat with the session in a header, plain and streamed.
     b = openai_client(f"{proxy_url}/v1", default_headers={"x-session-id": "agent-b"})
-    messages = [{"role": "user", "content": words(ids(2000, 30))}]
+    messages = [{"role": "user", "content": words(word_ids(2000, 30))}]
     chat = await b.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
     sent += 1
     assert chat.choices[0].message.content and chat.usage.completion_tokens == 3
@@ -291,7 +267,7 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     # Ungated: no session id; /v1/models.
     plain = openai_client(f"{proxy_url}/v1")
     assert [m.id for m in (await plain.models.list()).data] == ["tiny"]
-    r = await plain.completions.create(model="tiny", prompt=ids(5, 10), max_tokens=2)
+    r = await plain.completions.create(model="tiny", prompt=word_ids(5, 10), max_tokens=2)
     sent += 1
 
     # A client that disconnects mid-stream: vLLM stops generating, the lease is released.
@@ -299,7 +275,7 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     tokens_before = vllm_gauge(vllm_url, "vllm:generation_tokens_total")
     c = openai_client(f"{proxy_url}/sess/agent-c/v1")
     stream = await c.completions.create(
-        model="tiny", prompt=ids(3000, 20), max_tokens=2000, stream=True
+        model="tiny", prompt=word_ids(3000, 20), max_tokens=2000, stream=True
     )
     got = 0
     async for _ in stream:
@@ -327,7 +303,7 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
 
     # Retry storm: a long session fills the committed set (110 of 127 blocks, > 0.85)...
     big = openai_client(f"{proxy_url}/sess/big/v1")
-    await big.completions.create(model="tiny", prompt=ids(100, 3500), max_tokens=1)
+    await big.completions.create(model="tiny", prompt=word_ids(100, 3500), max_tokens=1)
     sent += 1
     # ...and keeps it in its idle grace window, so a cold session has to wait; its retries
     # preempt the older attempts (409), and only the last one ever reaches vLLM.
@@ -336,7 +312,7 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     for _ in range(4):
         attempts.append(
             asyncio.create_task(
-                cold.completions.create(model="tiny", prompt=ids(3900, 100), max_tokens=4)
+                cold.completions.create(model="tiny", prompt=word_ids(3900, 100), max_tokens=4)
             )
         )
         await asyncio.sleep(0.3)
@@ -347,7 +323,7 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
         assert err.value.body["type"] == "preempted" or "preempted" in str(err.value)
     assert not attempts[-1].done()
     # The big session's next turn still gets in: it owns a reservation.
-    r = await big.completions.create(model="tiny", prompt=ids(100, 3500), max_tokens=1)
+    r = await big.completions.create(model="tiny", prompt=word_ids(100, 3500), max_tokens=1)
     sent += 1
     # Finishing the big session lets the cold one in.
     assert post(f"{proxy_url}/sess/big/finish")[1]["finished"] is True

@@ -9,9 +9,7 @@ from the proxy. Every process is started in its own process group and always ter
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -19,48 +17,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary, word_ids
 from session_gate.engine.serve import start_proxy, start_vllm, stop
-from session_gate.engine.tiny_tokenizer import WORD_BASE
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 64
 BLOCK = 32
 MAX_MODEL_LEN = 2016
 SESSIONS = 4
-START_TIMEOUT = float(os.environ.get("SESSION_GATE_SERVE_TIMEOUT", "900"))
-
-
-def get_text(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
-
-def ids(start: int, n: int) -> list[int]:
-    return [WORD_BASE + (start + i) % (4096 - WORD_BASE) for i in range(n)]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def vllm_served(url: str) -> float:
     """vLLM's own count of finished requests (all finish reasons)."""
-    return metric(get_text(f"{url}/metrics"), "vllm:request_success_total")
+    return metric(get_text(f"{url}/metrics", timeout=10), "vllm:request_success_total")
 
 
 @pytest.fixture(scope="module")
 def cluster():
     """Two replicas (started concurrently) and the proxy in front of both:
     ``(proxy_url, [replica_url, ...], [replica_proc, ...])``."""
-    subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
-    binary = ROOT / "target" / "debug" / "session-gate"
+    binary = proxy_binary()
     workdirs = [Path(tempfile.mkdtemp(prefix=f"session-gate-rep{i}-")) for i in range(2)]
     extra = ["--max-num-seqs", "4", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0"]
     futures = []
@@ -78,7 +53,7 @@ def cluster():
                         block_size=BLOCK,
                         max_model_len=MAX_MODEL_LEN,
                         extra_args=extra,
-                        timeout=START_TIMEOUT,
+                        timeout=SERVE_TIMEOUT,
                     )
                 )
         started = [f.result() for f in futures]  # a replica that failed stopped itself
@@ -108,7 +83,7 @@ async def test_sessions_spread_stick_and_fail_over(cluster):
         )
         for k in range(SESSIONS)
     }
-    history = {s: ids(300 * k, 40) for k, s in enumerate(clients)}
+    history = {s: word_ids(300 * k, 40) for k, s in enumerate(clients)}
     alive = list(range(len(urls)))
 
     async def turn(session: str) -> int:
@@ -120,7 +95,7 @@ async def test_sessions_spread_stick_and_fail_over(cluster):
         )
         assert r.usage.prompt_tokens == len(history[session])
         assert r.usage.completion_tokens == 2
-        history[session] = history[session] + ids(2000 + len(history[session]), 20)
+        history[session] = history[session] + word_ids(2000 + len(history[session]), 20)
         deadline = time.monotonic() + 5
         while True:
             delta = {i: vllm_served(urls[i]) - before[i] for i in alive}
@@ -137,7 +112,7 @@ async def test_sessions_spread_stick_and_fail_over(cluster):
     for _ in range(2):
         for s in clients:
             assert await turn(s) == home[s], f"session {s} left replica {home[s]}"
-    text = get_text(f"{proxy_url}/metrics")
+    text = get_text(f"{proxy_url}/metrics", timeout=10)
     for i, url in enumerate(urls):
         assert metric(text, "session_gate_proxy_replica_healthy", replica=url) == 1
         on_it = sum(1 for s in clients if home[s] == i)
@@ -151,12 +126,15 @@ async def test_sessions_spread_stick_and_fail_over(cluster):
     stop(procs[1])
     alive = [0]
     stopped_at = time.monotonic()
-    while metric(get_text(f"{proxy_url}/metrics"), "session_gate_proxy_replica_healthy",
-                 replica=urls[1]) != 0:  # fmt: skip
+
+    def healthy(replica: str) -> float:
+        text = get_text(f"{proxy_url}/metrics", timeout=10)
+        return metric(text, "session_gate_proxy_replica_healthy", replica=replica)
+
+    while healthy(urls[1]) != 0:
         assert time.monotonic() - stopped_at < 5, "replica 1 still healthy 5 s after it stopped"
         await asyncio.sleep(0.1)
-    assert metric(get_text(f"{proxy_url}/metrics"), "session_gate_proxy_replica_healthy",
-                  replica=urls[0]) == 1  # fmt: skip
+    assert healthy(urls[0]) == 1
     with urllib.request.urlopen(f"{proxy_url}/health", timeout=10) as r:
         assert r.status == 200
     # ...its sessions' next turns succeed on replica 0, and stay there; replica 0's own
@@ -164,7 +142,7 @@ async def test_sessions_spread_stick_and_fail_over(cluster):
     for _ in range(2):
         for s in clients:
             assert await turn(s) == 0, f"session {s} (home {home[s]}) not served by replica 0"
-    text = get_text(f"{proxy_url}/metrics")
+    text = get_text(f"{proxy_url}/metrics", timeout=10)
     assert metric(text, "session_gate_proxy_requests_total", replica=urls[1], status="502") == 0
     assert metric(text, "session_gate_proxy_requests_total", replica="none") == 0
     moved = sum(1 for s in clients if home[s] == 1)
