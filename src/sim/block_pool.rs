@@ -81,9 +81,9 @@ impl BlockPool {
                 next: NIL,
             })
             .collect();
-        for i in 0..n {
-            blocks[i].prev = if i == 0 { head } else { i as u32 - 1 };
-            blocks[i].next = if i + 1 == n { tail } else { i as u32 + 1 };
+        for (i, b) in blocks.iter_mut().take(n).enumerate() {
+            b.prev = if i == 0 { head } else { i as u32 - 1 };
+            b.next = if i + 1 == n { tail } else { i as u32 + 1 };
         }
         blocks[head as usize].next = 0;
         blocks[tail as usize].prev = num_blocks - 1;

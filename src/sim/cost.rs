@@ -38,6 +38,37 @@ pub struct StepWork {
     pub decode_ctx: u64,
 }
 
+impl StepWork {
+    /// Adds one scheduled request: `n` tokens after `before` computed ones, for a request that
+    /// now has `num_tokens` tokens of which `num_output` are outputs. A decode is one token
+    /// after the request already has outputs and all but that token; anything else is a prefill
+    /// chunk (a first prefill, a chunk of a long one, or the recompute of a preempted request).
+    pub fn add(&mut self, n: u32, before: u32, num_tokens: u32, num_output: u32) {
+        self.num_reqs += 1;
+        self.total_tokens += u64::from(n);
+        if n == 1 && num_output > 0 && before + 1 == num_tokens {
+            self.num_decodes += 1;
+            self.decode_ctx += u64::from(num_tokens);
+        } else {
+            self.num_prefills += 1;
+            self.prefill_tokens += u64::from(n);
+            self.prefill_attn += f64::from(n) * (f64::from(before) + f64::from(n) / 2.0);
+        }
+    }
+
+    /// The regressors of the cost model's linear part, in fitting order: 1 (a step),
+    /// sequences, tokens, Σ c·(p + c/2), Σ ctx (the calibration fits these).
+    pub fn features(&self) -> [f64; 5] {
+        [
+            1.0,
+            f64::from(self.num_reqs),
+            self.total_tokens as f64,
+            self.prefill_attn,
+            self.decode_ctx as f64,
+        ]
+    }
+}
+
 /// Built-in profiles, in the order `profile_names()` lists them.
 const PROFILES: &[(&str, &str)] = &[
     ("cpu-tiny", include_str!("profiles/cpu-tiny.toml")),

@@ -254,18 +254,7 @@ impl Scheduler {
         let before = st.num_computed;
         let num_tokens = st.num_tokens();
         out.entries.push((id, n, before));
-        let w = &mut out.work;
-        w.num_reqs += 1;
-        w.total_tokens += u64::from(n);
-        // A decode: one token after the request already has outputs and all but that token.
-        if n == 1 && st.num_output > 0 && before + 1 == num_tokens {
-            w.num_decodes += 1;
-            w.decode_ctx += u64::from(before + 1);
-        } else {
-            w.num_prefills += 1;
-            w.prefill_tokens += u64::from(n);
-            w.prefill_attn += f64::from(n) * (f64::from(before) + f64::from(n) / 2.0);
-        }
+        out.work.add(n, before, num_tokens, st.num_output);
         st.num_computed += n;
     }
 
