@@ -69,7 +69,8 @@ class Pair:
         from vllm.v1.core.kv_cache_utils import get_block_hash
         from vllm.v1.request import Request, RequestStatus
 
-        self.Request, self.RequestStatus, self.SamplingParams = Request, RequestStatus, SamplingParams
+        self.Request, self.RequestStatus = Request, RequestStatus
+        self.SamplingParams = SamplingParams
         self.get_block_hash = get_block_hash
         self.vllm = vllm_manager(num_blocks, max_model_len)
         self.twin = _native.SimKvManager(num_blocks, BLOCK, max_model_len)
@@ -116,9 +117,7 @@ class Pair:
             new_computed_blocks=blocks,
             full_sequence_must_fit=True,
         )
-        got = self.twin.allocate(
-            live.rid, 0, n, got_hit, len(live.tokens), live.twin_hashes, True
-        )
+        got = self.twin.allocate(live.rid, 0, n, got_hit, len(live.tokens), live.twin_hashes, True)
         assert got == (want is not None), "admission differs"
         if got:
             live.request.status = self.RequestStatus.RUNNING
