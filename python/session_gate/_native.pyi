@@ -23,6 +23,7 @@ __all__ = [
     "ProbePrefix",
     "ProbeUsage",
     "SimKvManager",
+    "SimReplica",
     "Wait",
     "count_cached_free_blocks",
     "hash_block",
@@ -328,6 +329,27 @@ class SimKvManager:
     def ref_counts(self) -> list[int]: ...
     def usage(self) -> tuple[int, int, float]:
         """``(num_free_blocks, num_cached_free_blocks, usage)``."""
+
+@final
+class SimReplica:
+    """One modelled vLLM replica, stepped by hand (tests)."""
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        profile: str = "cpu-tiny",
+    ) -> SimReplica: ...
+    def add_request(
+        self, id: int, prompt_tokens: int, max_tokens: int, block_hashes: Sequence[int]
+    ) -> None: ...
+    def step(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int], float] | None:
+        """``(scheduled [(id, n)], finished [(id, num_cached_tokens)], preempted, seconds)``."""
+    def abort_request(self, id: int) -> bool: ...
 
 def sim_step_features(entries: Sequence[_StepEntry]) -> list[float]:
     """The cost model's regressors for one step: 1, sequences, tokens, sum c*(p + c/2),
