@@ -4,7 +4,7 @@ machine's CPU engine.
 It times real engine steps of the bench's tiny CPU engine (1,024 blocks x 32 tokens,
 ``max_num_seqs`` 16, ``max_num_batched_tokens`` 8,192) across prefill sizes, cached prefixes,
 decode batch sizes and contexts, and mixed steps (``session_gate.engine.step_timing``); fits the
-profile's coefficients by non-negative least squares on relative error, using the twin's own
+profile's coefficients by non-negative least squares (seconds), using the twin's own
 regressors (``_native.sim_step_features``, the Rust ``StepWork``); prints the fit error; and
 writes the profile TOML, which it then reads back through the Rust parser to check it.
 
@@ -18,10 +18,10 @@ import datetime as dt
 import json
 import platform
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from session_gate import _native
 
 #: Fitted coefficients, in the order of ``StepWork::features`` (weights_sec is 0 on CPU).
@@ -50,9 +50,11 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """Coefficients minimising the squared relative error of every step."""
-    w = 1.0 / seconds
-    return nnls(features * w[:, None], seconds * w)
+    """Coefficients minimising the squared error of every step in seconds (plain least squares,
+    non-negative). Not the relative error: the twin's outputs (makespan, latency) are sums of
+    step times, and with a fixed per-step term plain least squares makes the modelled total of
+    the fitted steps equal the measured total, however noisy single steps are."""
+    return nnls(features, seconds)
 
 
 def profile_toml(coef: np.ndarray, note: str, shape: dict[str, int]) -> str:
@@ -61,7 +63,7 @@ def profile_toml(coef: np.ndarray, note: str, shape: dict[str, int]) -> str:
         f"# Fitted by `python -m session_gate.sim.calibrate` ({note}).",
         "# Re-fit on your machine with `make sim-calibrate`.",
         'name = "cpu-tiny"',
-        'description = "tiny 2-layer Llama (dummy weights) on vLLM\'s CPU backend, fitted on '
+        "description = \"tiny 2-layer Llama (dummy weights) on vLLM's CPU backend, fitted on "
         f'{platform.machine()} ({_cpus()} CPUs)"',
         "",
         "[replica]",
@@ -97,30 +99,49 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+@dataclass
+class _Step:
+    scenario: str
+    seconds: float
+    entries: list[tuple[int, int, int, int]]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m session_gate.sim.calibrate", description=__doc__)
     p.add_argument("--out", default="cpu-tiny.toml", help="where to write the profile TOML")
     p.add_argument("--repeats", type=int, default=2, help="runs of every scenario")
     p.add_argument("--quick", action="store_true", help="a few scenarios only (smoke test)")
     p.add_argument("--max-prompt", type=int, default=8000)
+    p.add_argument("--steps-json", help="also write every timed step here (for --from-steps)")
+    p.add_argument("--from-steps", help="fit steps saved by --steps-json; starts no engine")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from session_gate.engine.step_timing import calibration_scenarios, time_steps
-
-    scenarios = calibration_scenarios(args.max_prompt)
-    if args.quick:
-        keep = {"prefill-128", "prefill-2048", "cached-1024+512", "decode-4x64", "decode-1x1024"}
-        scenarios = [s for s in scenarios if s.name in keep]
     shape = dict(num_blocks=1024, block_size=32, max_num_seqs=16, max_num_batched_tokens=8192)
-    steps = time_steps(
-        scenarios,
-        repeats=args.repeats,
-        **shape,
-        progress=lambda name: print(f"  timing {name}", file=sys.stderr, flush=True),
-    )
+    if args.from_steps:
+        with open(args.from_steps) as f:
+            steps = [
+                _Step(d["scenario"], d["seconds"], [tuple(e) for e in d["entries"]])
+                for d in json.load(f)
+            ]
+    else:
+        from session_gate.engine.step_timing import calibration_scenarios, time_steps
+
+        scenarios = calibration_scenarios(args.max_prompt)
+        if args.quick:
+            keep = {"prefill-128", "prefill-2048", "cached-1024+512", "decode-4x64"}
+            scenarios = [s for s in scenarios if s.name in keep]
+        steps = time_steps(
+            scenarios,
+            repeats=args.repeats,
+            **shape,
+            progress=lambda name: print(f"  timing {name}", file=sys.stderr, flush=True),
+        )
+    if args.steps_json:
+        with open(args.steps_json, "w") as f:
+            json.dump([vars(s) for s in steps], f)
     feats = np.array([_native.sim_step_features(s.entries) for s in steps])
     secs = np.array([s.seconds for s in steps])
     coef = fit(feats, secs)
