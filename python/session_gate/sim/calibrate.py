@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from session_gate import _native
 
 #: Fitted coefficients, in the order of ``StepWork::features`` (weights_sec is 0 on CPU).
