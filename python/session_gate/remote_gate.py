@@ -125,7 +125,9 @@ class RemoteLease:
         if self._released:
             return False
         self._released = True
-        self._task = self._gate._spawn(self._gate._transport.release(self.lease_id, self._gate.client_id))
+        self._task = self._gate._spawn(
+            self._gate._transport.release(self.lease_id, self._gate.client_id)
+        )
         return True
 
     async def arelease(self) -> bool:
@@ -138,7 +140,9 @@ class RemoteLease:
 
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
-        return f"<RemoteLease {self.session_id!r} reason={self.reason} lease={self.lease_id} {state}>"
+        return (
+            f"<RemoteLease {self.session_id!r} reason={self.reason} lease={self.lease_id} {state}>"
+        )
 
     def __del__(self) -> None:
         # A lease dropped unreleased: release it (the engine's TTL would otherwise only catch it
@@ -222,7 +226,9 @@ class RemoteGate:
             answer = await self._transport.admit(
                 session_id, prompt_ids, max_tokens, retain_session, ticket, self.client_id
             )
-        except asyncio.CancelledError:
+        except BaseException:
+            # Cancelled, or the transport failed mid-wait: withdraw the attempt (a no-op if the
+            # engine never saw it), and release the lease if it was won in the race.
             self._spawn(self._transport.cancel(ticket, self.client_id))
             raise
         status = answer.get("status")

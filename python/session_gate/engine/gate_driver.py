@@ -62,13 +62,17 @@ def lease_ttl_from_env() -> float:
     except ValueError:
         ttl = math.nan
     if not math.isfinite(ttl) or ttl <= 0:
-        raise ValueError(f"SESSION_GATE_LEASE_TTL_SEC must be a positive number of seconds, got {raw!r}")
+        raise ValueError(
+            f"SESSION_GATE_LEASE_TTL_SEC must be a positive number of seconds, got {raw!r}"
+        )
     return ttl
 
 
 def _check_id(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise TypeError(f"{name} must be a non-empty str, got {type(value).__name__} {value!r}"[:300])
+        raise TypeError(
+            f"{name} must be a non-empty str, got {type(value).__name__} {value!r}"[:300]
+        )
     if len(value) > MAX_ID_LEN:
         raise ValueError(f"{name} is {len(value)} characters long, more than {MAX_ID_LEN}")
     return value
@@ -167,6 +171,8 @@ class EngineGateDriver:
             "ticks": 0,
             "tick_errors": 0,
         }
+        #: Engine-loop time of the calls answered at once: name → [count, total µs].
+        self._loop_us: dict[str, list[float]] = {"admit": [0, 0.0], "release": [0, 0.0]}
         #: Set by the timer thread; the engine thread ticks when it sees it.
         self.due = False
         self._timer = _Timer(self._wake_engine)
@@ -246,6 +252,12 @@ class EngineGateDriver:
             "pending": len(client.attempts),
         }
 
+    def loop_time(self, call: str, us: float) -> None:
+        """Records how long one ``call`` held the engine loop (admits answered at once)."""
+        entry = self._loop_us[call]
+        entry[0] += 1
+        entry[1] += us
+
     def stats(self) -> dict[str, Any]:
         now = self._begin_pass()
         self._settle(now)
@@ -256,6 +268,8 @@ class EngineGateDriver:
             "lease_ttl_sec": self.lease_ttl_sec,
             "leases_held": len(self._held),
             "attempts_pending": len(self._attempts),
+            **{f"{call}_loop_calls": count for call, (count, _) in self._loop_us.items()},
+            **{f"{call}_loop_us_total": total for call, (_, total) in self._loop_us.items()},
         }
         return s
 
@@ -486,8 +500,7 @@ class EngineGateDriver:
                 # Its idle grace window would hold the cache for a client that is gone.
                 self._core.finish_session(session_id, now)
             logger.warning(
-                "session_gate: client %s silent for %.1f s (lease TTL %.1f s): released %d "
-                "leases",
+                "session_gate: client %s silent for %.1f s (lease TTL %.1f s): released %d leases",
                 cid,
                 now - client.last_seen,
                 self.lease_ttl_sec,

@@ -103,17 +103,23 @@ def session_gate_admit(
     ``ticket`` (unique per attempt) lets ``session_gate_cancel`` withdraw it; ``client_id``
     names the caller whose silence for ``lease_ttl_sec`` frees what it holds."""
     started = time.perf_counter_ns()
+    driver = _driver(self)
     answer = _checked(
-        _driver(self).admit, session_id, token_ids, max_tokens, retain_session, ticket, client_id
+        driver.admit, session_id, token_ids, max_tokens, retain_session, ticket, client_id
     )
     if isinstance(answer, dict):
-        answer["engine_us"] = (time.perf_counter_ns() - started) / 1000.0
+        answer["engine_us"] = us = (time.perf_counter_ns() - started) / 1000.0
+        driver.loop_time("admit", us)
     return answer
 
 
 def session_gate_release(self: EngineCore, lease: Any, client_id: Any = None) -> bool:
     """Release a lease (its session keeps an idle grace window if it asked for one)."""
-    return _checked(_driver(self).release, lease, client_id)
+    started = time.perf_counter_ns()
+    driver = _driver(self)
+    released = _checked(driver.release, lease, client_id)
+    driver.loop_time("release", (time.perf_counter_ns() - started) / 1000.0)
+    return released
 
 
 def session_gate_cancel(self: EngineCore, ticket: Any, client_id: Any = None) -> bool:
@@ -171,4 +177,3 @@ def install() -> None:
         setattr(EngineCore, name, fn)
     EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
     EngineCore._session_gate_gate_installed = True
-

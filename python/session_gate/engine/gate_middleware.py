@@ -55,11 +55,7 @@ class SessionGateMiddleware:
         self._warned: set[str] = set()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in GATED_PATHS
-        ):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GATED_PATHS:
             return await self.app(scope, receive, send)
         session_id = _header(scope, SESSION_HEADER)
         if not session_id:

@@ -25,6 +25,7 @@ its client itself: the open connection is the sign of life.
 from __future__ import annotations
 
 import asyncio
+import math
 import uuid
 from typing import Any
 
@@ -35,8 +36,8 @@ from session_gate.engine.http_routes import (
     PREFIX,
     ProbeError,
     _json_body,
-    _routes,
     _Routes,
+    _routes,
     read_prompt,
 )
 
@@ -187,9 +188,21 @@ async def stats(request: Request) -> Response:
         answer = await routes.call("session_gate_stats", fmt)
         if fmt == "prometheus":
             return PlainTextResponse(answer, media_type="text/plain; version=0.0.4")
-        return JSONResponse(answer)
+        return JSONResponse(_json_safe(answer))
     except ProbeError as err:
         return err.response()
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no infinity: the histograms' last bucket bound becomes "+Inf" (Prometheus's
+    spelling)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "+Inf" if value > 0 else ("-Inf" if value < 0 else "NaN")
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def attach(router: APIRouter) -> None:

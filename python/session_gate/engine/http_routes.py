@@ -229,9 +229,7 @@ async def read_prompt(routes: _Routes, request: Request) -> PromptInput:
                 f"an octet-stream body must be packed uint32 token ids "
                 f"(a non-zero multiple of 4 bytes), got {len(packed)} bytes",
             )
-        session_id = request.query_params.get("session_id") or request.headers.get(
-            "x-session-id"
-        )
+        session_id = request.query_params.get("session_id") or request.headers.get("x-session-id")
         return PromptInput(session_id, packed, None, request.query_params)
     body = await _json_body(request, required=True)
     session_id = _session_id(body.get("session_id"))
