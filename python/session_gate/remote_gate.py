@@ -28,10 +28,10 @@ import os
 import socket
 import uuid
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Protocol
 
 from .errors import AdmissionPreempted, SessionGateError
+from .gate import _Admission
 from .probes import pack_token_ids
 
 __all__ = ["AdmissionExpired", "EngineGate", "RemoteGate", "RemoteLease"]
@@ -152,32 +152,6 @@ class RemoteLease:
                 self._gate._release_dropped(self.lease_id)
         except BaseException:  # noqa: BLE001
             pass
-
-
-class _Admission:
-    __slots__ = ("_gate", "_args", "_lease")
-
-    def __init__(self, gate: RemoteGate, args: tuple[Any, ...]) -> None:
-        self._gate = gate
-        self._args = args
-        self._lease: RemoteLease | None = None
-
-    async def __aenter__(self) -> RemoteLease:
-        session_id, prompt_ids, max_tokens, retain = self._args
-        self._lease = await self._gate.acquire(
-            session_id, prompt_ids, max_tokens, retain_session=retain
-        )
-        return self._lease
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        lease, self._lease = self._lease, None
-        if lease is not None:
-            await lease.arelease()
 
 
 class RemoteGate:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
 
 import pytest
 import pytest_asyncio
+from conftest import environ
 from session_gate import AdmissionPreempted, EngineGate
 from session_gate.engine.launch import make_async_llm
 from session_gate.probes import pack_token_ids
@@ -32,16 +32,8 @@ _ids = itertools.count()
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine():
-    saved = {k: os.environ.get(k) for k in GATE_ENV}
-    os.environ.update(GATE_ENV)  # the engine core process inherits them
-    try:
+    with environ(GATE_ENV):  # the engine core process inherits them
         llm = make_async_llm(num_blocks=64, block_size=32)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield llm
     finally:
@@ -146,6 +138,7 @@ async def test_cancelling_a_waiting_acquire_withdraws_it_in_the_engine(gate):
 
 async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
     call = engine.engine_core.call_utility_async
+    before = (await gate.stats())["engine_gate"]["leases_expired"]
     answer = await call(
         "session_gate_admit", "orphan", pack_token_ids(prompt(11, 1500)), 16, True, "t-1", "gone"
     )
@@ -154,7 +147,7 @@ async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
     lease = await gate.acquire("heir", prompt(12, 500), 16)  # waits for the orphan's room
     assert lease.reason == "open" and 1.5 <= time.monotonic() - started < 3.0
     engine_stats = (await gate.stats())["engine_gate"]
-    assert engine_stats["clients_expired"] == 1 and engine_stats["leases_expired"] == 1
+    assert engine_stats["clients_expired"] >= 1 and engine_stats["leases_expired"] == before + 1
     assert not await call("session_gate_release", answer["lease"], None)  # gone already
     await lease.arelease()
     assert await gate.finish_session("heir")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, word_ids
+from conftest import SERVE_TIMEOUT, environ, word_ids
 from session_gate import HttpGate
 from session_gate.engine.serve import start_vllm, stop
 
@@ -52,9 +52,7 @@ def url():
         "--max-num-seqs", "16", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
         "--middleware", MIDDLEWARE, "--api-server-count", "2",
     ]  # fmt: skip
-    saved = {k: os.environ.get(k) for k in GATE_ENV}
-    os.environ.update(GATE_ENV)
-    try:
+    with environ(GATE_ENV):
         proc, base = start_vllm(
             workdir,
             num_blocks=NUM_BLOCKS,
@@ -63,12 +61,6 @@ def url():
             extra_args=extra,
             timeout=SERVE_TIMEOUT,
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield base
     finally:

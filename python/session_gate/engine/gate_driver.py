@@ -483,6 +483,7 @@ class EngineGateDriver:
         for cid in dead:
             client = self._clients.pop(cid)
             self.counters["clients_expired"] += 1
+            num_attempts = len(client.attempts)
             for ticket in list(client.attempts):
                 if self._cancel(ticket, now, "expired"):
                     self.counters["attempts_expired"] += 1
@@ -499,12 +500,16 @@ class EngineGateDriver:
             for session_id in sessions - live:
                 # Its idle grace window would hold the cache for a client that is gone.
                 self._core.finish_session(session_id, now)
-            logger.warning(
-                "session_gate: client %s silent for %.1f s (lease TTL %.1f s): released %d leases",
+            # A client that closed cleanly holds nothing: only a dead holder is worth a warning.
+            logger.log(
+                logging.WARNING if num_leases or num_attempts else logging.DEBUG,
+                "session_gate: client %s silent for %.1f s (lease TTL %.1f s): released %d "
+                "leases, cancelled %d pending admits",
                 cid,
                 now - client.last_seen,
                 self.lease_ttl_sec,
                 num_leases,
+                num_attempts,
             )
 
 
