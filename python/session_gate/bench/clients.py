@@ -188,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m session_gate.bench.clients", description=__doc__)
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated; empty runs only the overhead measurements",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-requests", type=int, default=200)
     args = p.parse_args(argv)
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         stop(proc)
         shutil.rmtree(workdir, ignore_errors=True)
-    print("\n" + report.table(summaries))
+    if summaries:
+        print("\n" + report.table(summaries))
     by_mode = {s["mode"]: s for s in summaries}
     targets: dict[str, Any] = {}
     eg = by_mode.get(f"engine-gate×{args.clients}") or by_mode.get("engine-gate")
