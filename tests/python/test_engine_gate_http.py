@@ -44,9 +44,6 @@ MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 @pytest.fixture(scope="module")
 def url():
-    if os.environ.get("DEV_URL"):
-        yield os.environ["DEV_URL"]
-        return
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-engine-gate-"))
     extra = [
         "--max-num-seqs", "16", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
