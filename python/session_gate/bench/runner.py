@@ -96,12 +96,25 @@ def ideal_cached(
 
 
 async def run_mode(
-    llm: Any, workload: Workload, mode: Mode, probe: Any, progress: Any = None
+    llm: Any,
+    workload: Workload,
+    mode: Mode,
+    probe: Any,
+    progress: Any = None,
+    *,
+    only: Any = None,
+    admission: Any = None,
+    generate: Any = agenerate,
 ) -> ModeResult:
     """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
-    reset first so every mode starts cold."""
-    await llm.reset_prefix_cache()
-    admission = Admission(mode, probe)
+    reset first so every mode starts cold.
+
+    For one of several client processes (``bench.clients``): ``only`` picks the session
+    indices this process drives, ``admission`` replaces the mode's own (the caller reset the
+    cache), ``generate`` sends a turn (``agenerate``'s signature)."""
+    if admission is None:
+        await llm.reset_prefix_cache()
+        admission = Admission(mode, probe)
     block = workload.engine.block_size
     rng = random.Random(workload.seed)
     system = [
@@ -127,7 +140,7 @@ async def run_mode(
                 system_seen[0] = True
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
-                    output, cached = await agenerate(
+                    output, cached = await generate(
                         llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}"
                     )
                 records.append(
@@ -149,7 +162,8 @@ async def run_mode(
                 await asyncio.sleep(turn.tool_latency)
 
     started = time.perf_counter()
-    await asyncio.gather(*(run_session(i, s) for i, s in enumerate(workload.sessions)))
+    mine = [(i, s) for i, s in enumerate(workload.sessions) if only is None or i in only]
+    await asyncio.gather(*(run_session(i, s) for i, s in mine))
     return ModeResult(
         mode.name, workload.name, time.perf_counter() - started, records, admission.stats()
     )
