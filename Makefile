@@ -9,6 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean
+.PHONY: wheel bench-abi3
 
 setup:
 	bash scripts/setup.sh
@@ -19,8 +20,8 @@ lint: setup
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
-	$(VENV)/bin/ruff check python tests
-	$(VENV)/bin/ruff format --check python tests
+	$(VENV)/bin/ruff check python tests examples scripts
+	$(VENV)/bin/ruff format --check python tests examples scripts
 
 test-rust:
 	cargo test
@@ -73,6 +74,15 @@ bench-gate: setup
 # `session-gate proxy` in one run; the last line is JSON (p50/p99 of both and the difference).
 bench-proxy: setup
 	$(PY) -m session_gate.bench_proxy
+
+# The one wheel (plugin, gate, proxy, twin CLI) for this venv's CPython, in dist/: prints its
+# size, tags, entry points and contents.
+wheel: setup
+	$(PY) scripts/wheel.py --out dist
+
+# Engine-half usage probe: slot reads (this wheel) against attribute reads (what abi3 would run).
+bench-abi3: setup
+	$(PY) -m session_gate.engine.bench_abi3
 
 clean:
 	cargo clean

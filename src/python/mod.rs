@@ -7,6 +7,8 @@
 use pyo3::prelude::*;
 
 mod block_pool;
+#[cfg(feature = "proxy")]
+mod cli;
 mod engine;
 mod errors;
 mod gate;
@@ -19,5 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
     gate::register(m)?;
+    #[cfg(feature = "proxy")]
+    cli::register(m)?;
     Ok(())
 }
