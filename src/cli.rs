@@ -19,6 +19,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the size of the proxy's flags does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// OpenAI-compatible proxy with one session gate per vLLM replica.
