@@ -1,9 +1,10 @@
 """``make wheel``: build the one wheel (plugin, gate, proxy, twin CLI) and say what is in it.
 
-Builds with maturin (release, stripped) for the given interpreter, lets maturin pick the lowest
-manylinux tag the extension's symbols allow and audit it (``--auditwheel check``: a wheel that
-would need a library from the build machine fails here, not on the GPU node), then prints the
-wheel's name, size, tags, entry points, requirements and every file with its size. Also checks
+Builds with maturin (release, stripped as pyproject.toml says) for the given interpreter, lets
+maturin pick the lowest manylinux tag the extension's symbols allow and audit it (``--auditwheel
+check``: a wheel that would need a library from the build machine fails here, not on the GPU
+node), then prints the wheel's name, size, tags, entry points, requirements and every file with
+its size. Also checks
 what the issue promises: a manylinux tag, both vLLM plugin entry points, the ``session-gate``
 console script and no requirement outside the ``test`` extra. Prints the wheel's path last.
 
@@ -32,7 +33,8 @@ def build(out: Path, python: str) -> Path:
     for old in out.glob("session_gate-*.whl"):
         old.unlink()
     maturin = Path(python).parent / "maturin"
-    cmd = [str(maturin) if maturin.exists() else "maturin", "build", "--release", "--strip"]
+    # Stripped (pyproject.toml's `strip = true`), as `maturin develop` builds it.
+    cmd = [str(maturin) if maturin.exists() else "maturin", "build", "--release"]
     cmd += ["--auditwheel", "check", "--interpreter", python, "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True)
     wheels = sorted(out.glob("session_gate-*.whl"))
