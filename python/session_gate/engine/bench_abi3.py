@@ -18,12 +18,11 @@ from __future__ import annotations
 import json
 import platform
 import random
-import statistics
-import time
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from .. import _native
+from .bench_probe import _median_us
 
 REPEATS = 20
 #: KV blocks: the bench engine's cache, and one H200 at gpu_memory_utilization 0.9 (DESIGN.md).
@@ -52,15 +51,6 @@ def _count(blocks: list) -> int:
     return _native.count_cached_free_blocks(blocks, {})
 
 
-def _median_us(fn) -> float:
-    samples = []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(samples)
-
-
 def main() -> None:
     rows = []
     for n in SIZES:
@@ -69,8 +59,8 @@ def main() -> None:
         expected = _count(slots)
         if _count(attrs) != expected:
             raise SystemExit("the two paths disagree: the comparison would be meaningless")
-        slot_us = _median_us(lambda b=slots: _count(b))
-        attr_us = _median_us(lambda b=attrs: _count(b))
+        slot_us = _median_us(lambda b=slots: _count(b), REPEATS)
+        attr_us = _median_us(lambda b=attrs: _count(b), REPEATS)
         rows.append(
             {
                 "blocks": n,
