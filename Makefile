@@ -10,6 +10,7 @@ export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean \
 	sim-calibrate bench-sim-replica bench-clients sim sim-fidelity bench-sim
+.PHONY: wheel bench-abi3
 
 setup:
 	bash scripts/setup.sh
@@ -20,8 +21,8 @@ lint: setup
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --all-targets --features python -- -D warnings
-	$(VENV)/bin/ruff check python tests
-	$(VENV)/bin/ruff format --check python tests
+	$(VENV)/bin/ruff check python tests examples scripts
+	$(VENV)/bin/ruff format --check python tests examples scripts
 
 test-rust:
 	cargo test
@@ -81,6 +82,15 @@ bench-proxy: setup
 # The last line is JSON.
 bench-clients: setup
 	$(PY) -m session_gate.bench.clients --clients 4 --workload default
+
+# The one wheel (plugin, gate, proxy, twin CLI) for this venv's CPython, in dist/: prints its
+# size, tags, entry points and contents.
+wheel: setup
+	$(PY) scripts/wheel.py --out dist
+
+# Engine-half usage probe: slot reads (this wheel) against attribute reads (what abi3 would run).
+bench-abi3: setup
+	$(PY) -m session_gate.engine.bench_abi3
 
 # Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
 # engine, fits the step-time coefficients, prints the fit error, rewrites the profile.

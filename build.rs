@@ -33,7 +33,10 @@ impl ParseCallbacks for MacroTypes {
             Some(IntKind::I64)
         } else if name.starts_with("SG_VERSION_") {
             Some(IntKind::U32)
-        } else if name == "SG_REASON_COUNT" || name.starts_with("SG_PROBE_") {
+        } else if name == "SG_REASON_COUNT"
+            || name.starts_with("SG_PROBE_")
+            || name == "SG_MAX_TOKENS_DEFAULT"
+        {
             // Array lengths and indices.
             custom("usize", false)
         } else if name.starts_with("SG_REASON_") {

@@ -170,6 +170,9 @@ typedef struct sg_config {
     /** A probe callback that has not answered after this long counts as unavailable.
      * > 0 s, default 2. */
     double probe_timeout_sec;
+    /** Output tokens a turn's working set counts when its request says
+     * `SG_MAX_TOKENS_DEFAULT` (the seed's `acquire(session_id, prompt_ids)`). Default 256. */
+    size_t default_max_tokens;
 } sg_config;
 
 /** The seed's defaults. */
@@ -177,7 +180,8 @@ sg_config sg_config_default(void);
 
 /** The defaults overridden by the process environment: `SESSION_GATE_HIGH_WATERMARK`,
  * `_HIT_THRESHOLD`, `_WAIT_POLL_SEC`, `_IDLE_GRACE_SEC`, `_PRESSURE` (committed | engine),
- * `_MAX_WAIT_SEC` (seconds, or none | off), `_PROBE_TIMEOUT_SEC`; blank ones are ignored.
+ * `_MAX_WAIT_SEC` (seconds, or none | off), `_PROBE_TIMEOUT_SEC`, `_DEFAULT_MAX_TOKENS`; blank
+ * ones are ignored.
  * `SG_INVALID_CONFIG` (and `*out` untouched) if a variable is malformed or out of range. */
 sg_status sg_config_from_env(sg_config *out);
 
@@ -267,6 +271,9 @@ sg_status sg_gate_create(const sg_config *config, const sg_probe *probe, sg_gate
  */
 sg_status sg_gate_destroy(sg_gate *gate);
 
+/** `sg_request.max_tokens` meaning "not given": count the config's `default_max_tokens`. */
+#define SG_MAX_TOKENS_DEFAULT SIZE_MAX
+
 /** One turn of a session asking to go to the engine. */
 typedef struct sg_request {
     /** The session (UTF-8, `session_id_len` bytes). */
@@ -275,7 +282,8 @@ typedef struct sg_request {
     /** The turn's prompt token ids; may be NULL when `prompt_len` is 0. Copied. */
     const uint32_t *prompt_ids;
     size_t prompt_len;
-    /** The turn's `max_tokens` (part of its working set). */
+    /** The turn's `max_tokens` (part of its working set), or `SG_MAX_TOKENS_DEFAULT`: the working
+     * set then counts the config's `default_max_tokens`. Pass the real one when you know it. */
     size_t max_tokens;
     /** Keep the session's reservation as an idle grace window after the lease is released. */
     bool retain_session;

@@ -321,8 +321,9 @@ public:
 
     /// Blocks until this turn may go to the engine. `timeout` unset = wait forever. Throws
     /// TimeoutError, PreemptedError, or Error (e.g. SG_NULL_POINTER on a moved-from gate).
+    /// `max_tokens` defaults to `SG_MAX_TOKENS_DEFAULT` (the config's `default_max_tokens`).
     Lease acquire(std::string_view session_id, const std::vector<std::uint32_t> &prompt_ids,
-                  std::size_t max_tokens, bool retain_session = false,
+                  std::size_t max_tokens = SG_MAX_TOKENS_DEFAULT, bool retain_session = false,
                   std::optional<std::chrono::milliseconds> timeout = std::nullopt) const {
         sg_request r = detail::request(session_id, prompt_ids.data(), prompt_ids.size(),
                                        max_tokens, retain_session);
@@ -335,7 +336,8 @@ public:
     /// Starts an attempt without blocking; `wake` (optional) is called once from a gate thread
     /// when `Attempt::poll` has an answer.
     Attempt try_acquire(std::string_view session_id, const std::vector<std::uint32_t> &prompt_ids,
-                        std::size_t max_tokens, bool retain_session = false,
+                        std::size_t max_tokens = SG_MAX_TOKENS_DEFAULT,
+                        bool retain_session = false,
                         std::function<void()> wake = {}) const {
         sg_request r = detail::request(session_id, prompt_ids.data(), prompt_ids.size(),
                                        max_tokens, retain_session);

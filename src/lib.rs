@@ -11,6 +11,8 @@
 #![warn(missing_docs, unreachable_pub)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+#[cfg(feature = "proxy")]
+pub mod cli;
 pub mod error;
 pub mod ffi;
 pub mod gate;

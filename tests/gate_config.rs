@@ -149,6 +149,7 @@ fn env_overrides_replace_every_knob() {
             ("SESSION_GATE_PRESSURE", "engine"),
             ("SESSION_GATE_MAX_WAIT_SEC", "120"),
             ("SESSION_GATE_PROBE_TIMEOUT_SEC", "0.5"),
+            ("SESSION_GATE_DEFAULT_MAX_TOKENS", "1024"),
         ]))
         .unwrap();
     assert_eq!(
@@ -161,8 +162,23 @@ fn env_overrides_replace_every_knob() {
             pressure: Pressure::Engine,
             max_wait_sec: Some(120.0),
             probe_timeout_sec: 0.5,
+            default_max_tokens: 1024,
         }
     );
+}
+
+#[test]
+fn a_malformed_default_max_tokens_is_refused_by_name() {
+    for bad in ["-1", "2.5", "lots"] {
+        match GateConfig::default()
+            .with_env_overrides(env(&[("SESSION_GATE_DEFAULT_MAX_TOKENS", bad)]))
+        {
+            Err(Error::InvalidKnob { knob, value, .. }) => {
+                assert_eq!((knob, value.as_str()), ("default_max_tokens", bad));
+            }
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
 }
 
 #[test]

@@ -134,6 +134,25 @@ fn working_set_counts_prompt_and_max_tokens_in_whole_blocks() {
 }
 
 #[test]
+fn without_max_tokens_the_working_set_counts_default_max_tokens() {
+    // The seed's acquire(session_id, prompt_ids): 17 prompt tokens + the default 256 output
+    // tokens, in blocks of 16, is 18 blocks.
+    let mut c = core();
+    assert_eq!(c.config().default_max_tokens, 256);
+    let id = c.begin("s", 17, None, false, 0.0);
+    let run = drive(&mut c, id, 0.0, usage(0.0), hit(0.0));
+    assert_eq!(run.admitted().working_set_blocks, Some(18));
+    let mut c = GateCore::new(GateConfig {
+        default_max_tokens: 7,
+        ..Default::default()
+    })
+    .unwrap();
+    let id = c.begin("s", 17, None, false, 0.0);
+    let run = drive(&mut c, id, 0.0, usage(0.0), hit(0.0));
+    assert_eq!(run.admitted().working_set_blocks, Some(2));
+}
+
+#[test]
 fn open_is_refused_when_committed_plus_working_set_would_cross_the_line() {
     let mut c = core();
     turn(&mut c, "big", 80, false, 0.0);

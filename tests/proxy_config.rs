@@ -35,6 +35,20 @@ fn flags_win_over_the_file() {
 }
 
 #[test]
+fn default_max_tokens_is_the_gates_knob() {
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "").unwrap();
+    assert_eq!(c.gate.default_max_tokens, 256);
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "default_max_tokens = 64").unwrap();
+    assert_eq!(c.gate.default_max_tokens, 64);
+    let mut a = args(&["http://a:1"]);
+    a.default_max_tokens = Some(4096);
+    let c = ProxyConfig::from_toml(&a, "default_max_tokens = 64").unwrap();
+    assert_eq!(c.gate.default_max_tokens, 4096);
+    let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "default_max_tokens = -1");
+    assert_eq!(field_of(r), "default_max_tokens");
+}
+
+#[test]
 fn bad_values_name_their_field() {
     assert_eq!(field_of(ProxyConfig::from_toml(&args(&[]), "")), "replicas");
     assert_eq!(

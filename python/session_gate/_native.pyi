@@ -107,7 +107,9 @@ class GateConfig:
 
     Omitted knobs (or ``None``) keep the seed's defaults: high_watermark 0.85, hit_threshold 0.80,
     wait_poll_sec 5, idle_grace_sec 60, pressure "committed", max_wait_sec None (never),
-    probe_timeout_sec 2. Invalid values raise ``ValueError`` naming the knob and the value.
+    probe_timeout_sec 2, default_max_tokens 256 (the output tokens a turn's working set counts
+    when ``admit``/``acquire`` get no ``max_tokens``). Invalid values raise ``ValueError`` naming
+    the knob and the value.
     """
 
     def __new__(
@@ -120,12 +122,13 @@ class GateConfig:
         pressure: _PressureName | str | None = None,
         max_wait_sec: float | None = None,
         probe_timeout_sec: float | None = None,
+        default_max_tokens: int | None = None,
     ) -> GateConfig: ...
     @staticmethod
     def from_env() -> GateConfig:
         """Defaults overridden by ``SESSION_GATE_HIGH_WATERMARK``, ``…_HIT_THRESHOLD``,
         ``…_WAIT_POLL_SEC``, ``…_IDLE_GRACE_SEC``, ``…_PRESSURE``, ``…_MAX_WAIT_SEC``
-        (``none``/``off`` for no limit) and ``…_PROBE_TIMEOUT_SEC``."""
+        (``none``/``off`` for no limit), ``…_PROBE_TIMEOUT_SEC`` and ``…_DEFAULT_MAX_TOKENS``."""
     @property
     def high_watermark(self) -> float: ...
     @property
@@ -140,6 +143,8 @@ class GateConfig:
     def max_wait_sec(self) -> float | None: ...
     @property
     def probe_timeout_sec(self) -> float: ...
+    @property
+    def default_max_tokens(self) -> int: ...
     def to_dict(self) -> dict[str, float | str | None]: ...
     def __eq__(self, other: object, /) -> bool: ...
 
@@ -253,11 +258,12 @@ class GateCore:
         self,
         session_id: str,
         prompt_tokens: int,
-        max_tokens: int,
+        max_tokens: int | None,
         retain_session: bool,
         now: float,
     ) -> int:
-        """Starts an attempt; returns its id. Preempts the session's older pending attempt."""
+        """Starts an attempt; returns its id. Preempts the session's older pending attempt.
+        ``max_tokens=None`` counts the config's ``default_max_tokens``."""
     def poll(self, attempt: int, now: float) -> _Action:
         """What to do next; ``LookupError`` once the attempt is over."""
     def on_usage(

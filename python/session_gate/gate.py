@@ -225,7 +225,7 @@ class SessionGate:
         self,
         session_id: str,
         prompt_ids: Sequence[int] | bytes,
-        max_tokens: int,
+        max_tokens: int | None = None,
         *,
         retain_session: bool = True,
     ) -> _Admission:
@@ -234,9 +234,11 @@ class SessionGate:
 
         ``prompt_ids`` is the turn's whole prompt: a sequence of token ids, or ``bytes`` of
         packed little-endian uint32 (``probes.pack_token_ids``), which ``EngineProbe`` forwards
-        as is. Its length plus ``max_tokens`` is the turn's working set. ``retain_session``
-        keeps the session's reservation for ``idle_grace_sec`` after release, so the next turn
-        (after a tool call) re-enters as ``reserved_session``.
+        as is. Its length plus ``max_tokens`` is the turn's working set; without ``max_tokens``
+        (the seed's ``admit(session_id, prompt_ids)``) the working set counts the config's
+        ``default_max_tokens`` instead, so pass the turn's real one when you know it.
+        ``retain_session`` keeps the session's reservation for ``idle_grace_sec`` after
+        release, so the next turn (after a tool call) re-enters as ``reserved_session``.
 
         Raises ``AdmissionPreempted`` when a newer attempt for the same session arrives while
         this one waits. Cancelling the waiting task removes the attempt from the queue.
@@ -247,7 +249,7 @@ class SessionGate:
         self,
         session_id: str,
         prompt_ids: Sequence[int] | bytes,
-        max_tokens: int,
+        max_tokens: int | None = None,
         *,
         retain_session: bool = True,
     ) -> Lease:

@@ -18,6 +18,7 @@ pub(crate) fn from_gate_config(c: &GateConfig) -> sg_config {
         has_max_wait: c.max_wait_sec.is_some(),
         max_wait_sec: c.max_wait_sec.unwrap_or(0.0),
         probe_timeout_sec: c.probe_timeout_sec,
+        default_max_tokens: c.default_max_tokens,
     }
 }
 
@@ -42,6 +43,7 @@ pub(crate) fn to_gate_config(c: &sg_config) -> Result<GateConfig, Error> {
         pressure,
         max_wait_sec: c.has_max_wait.then_some(c.max_wait_sec),
         probe_timeout_sec: c.probe_timeout_sec,
+        default_max_tokens: c.default_max_tokens,
     };
     config.validate()?;
     Ok(config)

@@ -46,7 +46,8 @@ impl GateHandle {
 pub(crate) struct Request<'a> {
     pub(crate) session_id: &'a str,
     pub(crate) prompt_ids: &'a [u32],
-    pub(crate) max_tokens: usize,
+    /// `None` for `SG_MAX_TOKENS_DEFAULT`: the gate counts its `default_max_tokens`.
+    pub(crate) max_tokens: Option<usize>,
     pub(crate) retain_session: bool,
 }
 
@@ -60,7 +61,7 @@ impl<'a> Request<'a> {
         Ok(Self {
             session_id: unsafe { str_arg(r.session_id, r.session_id_len, "request->session_id") }?,
             prompt_ids: unsafe { slice_arg(r.prompt_ids, r.prompt_len, "request->prompt_ids") }?,
-            max_tokens: r.max_tokens,
+            max_tokens: (r.max_tokens != sys::SG_MAX_TOKENS_DEFAULT).then_some(r.max_tokens),
             retain_session: r.retain_session,
         })
     }

@@ -55,6 +55,10 @@ pub struct GateConfig {
     pub max_wait_sec: Option<f64>,
     /// A probe that has not answered after this long counts as unavailable. > 0 s, default 2.
     pub probe_timeout_sec: f64,
+    /// Output tokens counted in a turn's working set when the caller gives no `max_tokens`
+    /// (the seed's `acquire(session_id, prompt_ids)`). Default 256. Passing the turn's real
+    /// `max_tokens` makes the working set exact; this is only a guess at it.
+    pub default_max_tokens: usize,
 }
 
 impl Default for GateConfig {
@@ -67,12 +71,13 @@ impl Default for GateConfig {
             pressure: Pressure::Committed,
             max_wait_sec: None,
             probe_timeout_sec: 2.0,
+            default_max_tokens: 256,
         }
     }
 }
 
 /// Environment variable names, in the order [`GateConfig::with_env_overrides`] reads them.
-pub const ENV_VARS: [&str; 7] = [
+pub const ENV_VARS: [&str; 8] = [
     "SESSION_GATE_HIGH_WATERMARK",
     "SESSION_GATE_HIT_THRESHOLD",
     "SESSION_GATE_WAIT_POLL_SEC",
@@ -80,6 +85,7 @@ pub const ENV_VARS: [&str; 7] = [
     "SESSION_GATE_PRESSURE",
     "SESSION_GATE_MAX_WAIT_SEC",
     "SESSION_GATE_PROBE_TIMEOUT_SEC",
+    "SESSION_GATE_DEFAULT_MAX_TOKENS",
 ];
 
 fn fraction(knob: &'static str, v: f64) -> Result<()> {
@@ -167,6 +173,13 @@ impl GateConfig {
         }
         if let Some(v) = get("SESSION_GATE_PROBE_TIMEOUT_SEC") {
             self.probe_timeout_sec = parse_f64("probe_timeout_sec", &v)?;
+        }
+        if let Some(v) = get("SESSION_GATE_DEFAULT_MAX_TOKENS") {
+            self.default_max_tokens = v.trim().parse().map_err(|_| Error::InvalidKnob {
+                knob: "default_max_tokens",
+                value: v.clone(),
+                why: "not a whole number of tokens >= 0",
+            })?;
         }
         self.validate()?;
         Ok(self)

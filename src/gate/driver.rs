@@ -144,6 +144,9 @@ impl Gate {
     /// Waits until this turn of `session_id` may go to the engine, and returns its lease.
     /// Release the lease (or drop it) when the engine's answer is complete.
     ///
+    /// `max_tokens` is the turn's output budget, or `None` (the seed's `acquire(session_id,
+    /// prompt_ids)`): the working set then counts [`GateConfig::default_max_tokens`].
+    ///
     /// Fails with [`Error::Preempted`] when a newer `acquire` for the same session takes over;
     /// the older attempt learns it at its next checkpoint: before and after every probe, and
     /// on waking from a wait (the preemption wakes it).
@@ -157,9 +160,10 @@ impl Gate {
         &self,
         session_id: &str,
         prompt_ids: &[u32],
-        max_tokens: usize,
+        max_tokens: impl Into<Option<usize>>,
         retain_session: bool,
     ) -> Result<Lease> {
+        let max_tokens = max_tokens.into();
         let shared = &*self.shared;
         let id = shared.with_core(|c, now| {
             c.begin(

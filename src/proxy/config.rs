@@ -83,9 +83,10 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "SEC")]
     pub health_interval_sec: Option<f64>,
 
-    /// max_tokens assumed for the working set when a request sets none [default: 256].
+    /// Output tokens a turn's working set counts when the request sets neither max_tokens nor
+    /// max_completion_tokens (the gate's default_max_tokens knob) [default: 256].
     #[arg(long, value_name = "TOKENS")]
-    pub default_max_tokens: Option<u64>,
+    pub default_max_tokens: Option<usize>,
 
     /// Keep a session's reservation for idle_grace_sec after each turn [default: true].
     #[arg(long, value_name = "BOOL")]
@@ -117,7 +118,7 @@ struct FileConfig {
     probe_timeout_sec: Option<f64>,
     usage_cache_ms: Option<u64>,
     health_interval_sec: Option<f64>,
-    default_max_tokens: Option<u64>,
+    default_max_tokens: Option<usize>,
     retain_session: Option<bool>,
     max_session_labels: Option<usize>,
     max_body_bytes: Option<usize>,
@@ -175,8 +176,6 @@ pub struct ProxyConfig {
     pub usage_cache_ms: u64,
     /// Seconds between health checks.
     pub health_interval_sec: f64,
-    /// max_tokens assumed when a request sets none.
-    pub default_max_tokens: u64,
     /// Whether leases ask for an idle grace window.
     pub retain_session: bool,
     /// Cap on per-session metric labels.
@@ -313,6 +312,7 @@ impl ProxyConfig {
         knob!(wait_poll_sec);
         knob!(idle_grace_sec);
         knob!(probe_timeout_sec);
+        knob!(default_max_tokens);
         if let Some(v) = args.max_wait_sec.or(file.max_wait_sec) {
             gate.max_wait_sec = Some(v);
         }
@@ -347,10 +347,6 @@ impl ProxyConfig {
                 format!("{health_interval_sec} must be a positive number of seconds"),
             ));
         }
-        let default_max_tokens = args
-            .default_max_tokens
-            .or(file.default_max_tokens)
-            .unwrap_or(256);
         let max_session_labels = args
             .max_session_labels
             .or(file.max_session_labels)
@@ -369,7 +365,6 @@ impl ProxyConfig {
             gate,
             usage_cache_ms,
             health_interval_sec,
-            default_max_tokens,
             retain_session: args.retain_session.or(file.retain_session).unwrap_or(true),
             max_session_labels,
             max_body_bytes,

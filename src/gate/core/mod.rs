@@ -183,14 +183,19 @@ impl GateCore {
     /// Starts an admission attempt for one turn of `session_id`. Older attempts of the same
     /// session that are not admitted yet are preempted: their next poll answers
     /// [`Action::Preempted`], and this attempt takes over their place in the FIFO.
+    ///
+    /// `max_tokens` is the turn's output budget (a number, or `None` for the seed's
+    /// `acquire(session_id, prompt_ids)`: the working set then counts
+    /// [`GateConfig::default_max_tokens`]).
     pub fn begin(
         &mut self,
         session_id: &str,
         prompt_tokens: usize,
-        max_tokens: usize,
+        max_tokens: impl Into<Option<usize>>,
         retain_session: bool,
         now: f64,
     ) -> AttemptId {
+        let max_tokens = max_tokens.into().unwrap_or(self.cfg.default_max_tokens);
         self.expire(now);
         let slot = self.sessions.get_or_insert(session_id);
         let id = self.next_attempt;
