@@ -11,6 +11,7 @@ mod engine;
 mod errors;
 mod gate;
 mod guard;
+mod residency;
 mod tokens;
 
 /// `session_gate._native`: the engine-side probe and the gate core.
