@@ -166,3 +166,22 @@ def test_usage_is_o1_unless_the_cached_free_count_is_asked_for(cache):
     assert counted["num_cached_free_blocks"] == expected == 9
     with pytest.raises(TypeError, match="count_cached_free"):
         state.usage_answer("yes")
+
+
+def test_lookahead_hashes_make_the_probe_unavailable_not_wrong():
+    """vLLM 0.33+ with EAGLE block drop hashes each block with the next tokens: the probe cannot
+    compute those hashes, so it must say so (never answer a wrong ratio)."""
+    import inspect
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    if "num_hash_lookahead_tokens" not in inspect.signature(KVCacheManager).parameters:
+        pytest.skip("this vLLM has no lookahead block hashes (added in 0.33)")
+    kvm = make_kv_cache_manager(64, BLOCK, use_eagle=True, num_hash_lookahead_tokens=1)
+    driver, state = SchedulerDriver(kvm), engine_state(kvm, vocab_size=4096)
+    prompt = random_prompt(random.Random(10), 8 * BLOCK + 3)
+    driver.run(prompt)
+    assert driver.run(prompt) > 0, "vLLM itself hits with lookahead hashes"
+    answer = state.probe_answer("s", prompt)
+    assert answer["available"] is False
+    assert "num_hash_lookahead_tokens" in answer["reason"]

@@ -35,10 +35,13 @@ def make_kv_cache_manager(
     hash_algo: str = "sha256",
     max_model_len: int | None = None,
     use_eagle: bool = False,
+    num_hash_lookahead_tokens: int = 0,
 ) -> KVCacheManager:
     """A full-attention ``KVCacheManager`` of ``num_blocks`` blocks (the null block included, as
     ``num_gpu_blocks_override`` counts them), with prefix caching on and ``NONE_HASH`` seeded for
-    ``hash_algo`` the way ``EngineCore.__init__`` seeds it."""
+    ``hash_algo`` the way ``EngineCore.__init__`` seeds it. ``num_hash_lookahead_tokens`` (EAGLE
+    block drop, vLLM 0.33+) is only passed when non-zero, so older vLLMs build the same way."""
+    lookahead = {"num_hash_lookahead_tokens": num_hash_lookahead_tokens}
     kv_cache_utils.init_none_hash(get_hash_fn_by_name(hash_algo))
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float16
@@ -56,6 +59,7 @@ def make_kv_cache_manager(
         enable_caching=True,
         use_eagle=use_eagle,
         log_stats=True,
+        **(lookahead if num_hash_lookahead_tokens else {}),
     )
 
 
@@ -68,9 +72,12 @@ class SchedulerDriver:
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        block_size = self.kv_cache_manager.block_pool.hash_block_size
+        pool = self.kv_cache_manager.block_pool
+        lookahead = getattr(pool, "num_hash_lookahead_tokens", 0)
         self._hasher = kv_cache_utils.get_request_block_hasher(
-            block_size, get_hash_fn_by_name(self.hash_algo)
+            pool.hash_block_size,
+            get_hash_fn_by_name(self.hash_algo),
+            **({"num_hash_lookahead_tokens": lookahead} if lookahead else {}),
         )
 
     def request(self, token_ids: list[int]) -> Request:

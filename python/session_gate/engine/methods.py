@@ -99,6 +99,15 @@ class EngineState:
     def _why_unavailable(kvm: Any, lora_enabled: bool) -> str | None:
         if not kvm.enable_caching:
             return "prefix caching is disabled in this engine"
+        lookahead = getattr(kvm.block_pool, "num_hash_lookahead_tokens", 0)
+        if lookahead:
+            # vLLM 0.33+ with EAGLE block drop: each block's hash also covers the next tokens,
+            # which neither the native hasher nor hash_block_tokens(..., None) computes. Answer
+            # nothing rather than a wrong ratio.
+            return (
+                f"block hashes cover num_hash_lookahead_tokens={lookahead} lookahead tokens "
+                "(EAGLE), which the probe does not compute"
+            )
         if lora_enabled:
             # A LoRA request's blocks hash with its adapter name; a probe of bare token ids
             # cannot know which adapter the session's next turn will use.
