@@ -8,7 +8,8 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean
+.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean \
+	sim-calibrate bench-sim-replica
 
 setup:
 	bash scripts/setup.sh
@@ -73,6 +74,16 @@ bench-gate: setup
 # `session-gate proxy` in one run; the last line is JSON (p50/p99 of both and the difference).
 bench-proxy: setup
 	$(PY) -m session_gate.bench_proxy
+
+# Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
+# engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
+sim-calibrate: setup
+	$(PY) -m session_gate.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
+
+# The replica twin's speed: 1,000 sessions x 30 turns on a 126,000-block H200 replica, simulated
+# time against wall time of the same run; the last line is JSON.
+bench-sim-replica:
+	cargo run --release --quiet --example sim_replica_speed
 
 clean:
 	cargo clean

@@ -3,7 +3,8 @@
 //! The crate has two halves that share nothing but names:
 //! - the **engine half** ([`hashing`], [`prefix`]): vLLM-exact block hashing and the per-session
 //!   hash-chain cache behind the residency probes that run inside vLLM's engine core;
-//! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver.
+//! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver;
+//! - the **twin** ([`sim`]): a sans-IO model of a vLLM replica that runs the gate in virtual time.
 //!
 //! Bindings live in their own folders: `python` (PyO3, behind the `python` feature) and `ffi`
 //! (every `extern "C"`). Nothing outside those folders knows about Python or C.
@@ -17,6 +18,7 @@ pub mod hashing;
 pub mod prefix;
 #[cfg(feature = "proxy")]
 pub mod proxy;
+pub mod sim;
 
 #[cfg(feature = "python")]
 mod python;

@@ -12,6 +12,7 @@ mod errors;
 mod gate;
 mod guard;
 mod residency;
+mod sim_pool;
 mod tokens;
 
 /// `session_gate._native`: the engine-side probe and the gate core.
@@ -20,5 +21,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
     gate::register(m)?;
+    sim_pool::register(m)?;
     Ok(())
 }
