@@ -222,7 +222,8 @@ fn abort_frees_the_blocks_and_usage_reports_them_free() {
     let u = r.usage();
     assert_eq!(u.num_free_blocks, 19);
     assert_eq!(
-        u.num_cached_free_blocks, Some(4),
+        u.num_cached_free_blocks,
+        Some(4),
         "the 4 full prompt blocks stay cached"
     );
     assert_eq!(u.kv_cache_usage, 0.0);
