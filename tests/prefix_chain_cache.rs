@@ -24,6 +24,16 @@ fn reference(tokens: &[u32]) -> Vec<BlockHash> {
     out
 }
 
+/// A deterministic `next(bound)` in `0..bound` (xorshift64), for the randomised tests.
+fn xorshift(mut state: u64) -> impl FnMut(usize) -> usize {
+    move |bound: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % bound as u64) as usize
+    }
+}
+
 /// A stand-in for vLLM's `cached_block_hash_to_block`.
 fn resident(hashes: &[BlockHash]) -> HashSet<BlockHash> {
     hashes.iter().copied().collect()
@@ -289,13 +299,7 @@ fn a_new_hash_configuration_invalidates_chains() {
 /// Random edits, truncations, extensions and residency, checked against a fresh hasher.
 #[test]
 fn randomised_walks_match_the_reference() {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move |bound: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % bound as u64) as usize
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
     let mut h = hasher();
     let mut cache = ChainCache::new(1 << 16);
     let mut prompts: Vec<Vec<u32>> = vec![Vec::new(); 4];
@@ -411,13 +415,7 @@ fn a_resident_chain_is_rechecked_without_lookups() {
 /// walks with lookups alone answer.
 #[test]
 fn witnesses_never_change_an_answer() {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move |bound: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % bound as u64) as usize
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
     let mut h = hasher();
     let mut plain_h = hasher();
     let mut pool = ModelPool {

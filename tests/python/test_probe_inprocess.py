@@ -8,11 +8,10 @@ reuse and reset.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
-from conftest import random_prompt
+from conftest import pool_snapshot, random_prompt
 from session_gate.engine.inprocess import SchedulerDriver, engine_state, make_kv_cache_manager
 
 BLOCK = 16
@@ -116,27 +115,6 @@ def test_reset_prefix_cache_invalidates_every_witness(cache):
     assert driver.run(prompt) == 0
 
 
-def snapshot(driver) -> dict:
-    kvm = driver.kv_cache_manager
-    pool = kvm.block_pool
-    order = []
-    node = pool.free_block_queue.fake_free_list_head.next_free_block
-    while node is not None and node is not pool.free_block_queue.fake_free_list_tail:
-        order.append(node.block_id)
-        node = node.next_free_block
-    return {
-        "free_order": order,
-        "ref_cnt": [b.ref_cnt for b in pool.blocks],
-        "hashes": [b.block_hash for b in pool.blocks],
-        "map": {
-            k: (v.block_id if hasattr(v, "block_id") else sorted(v))
-            for k, v in pool.cached_block_hash_to_block._cache.items()
-        },
-        "by_block": {k: sorted(v) for k, v in pool.cached_block_hashes_by_block.items()},
-        "stats": dataclasses.asdict(kvm.prefix_cache_stats),
-    }
-
-
 def test_probes_leave_the_block_pool_unchanged_with_a_request_running(cache):
     driver, state = cache
     rng = random.Random(8)
@@ -144,13 +122,13 @@ def test_probes_leave_the_block_pool_unchanged_with_a_request_running(cache):
     driver.run(prompts[0])
     running = driver.request(prompts[1])
     driver.prefill(running)  # holds its blocks (ref_cnt 1) while we probe
-    before = snapshot(driver)
+    before = pool_snapshot(driver.kv_cache_manager)
     for i in range(200):
         p = prompts[i % 3]
         state.probe_answer(f"s{i % 5}", p[: len(p) - i % 4])
         state.usage_answer(i % 2 == 0)
     state.forget("s1")
-    assert snapshot(driver) == before
+    assert pool_snapshot(driver.kv_cache_manager) == before
     driver.free(running)
 
 

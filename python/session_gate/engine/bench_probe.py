@@ -49,11 +49,11 @@ SAMPLES = 300
 BASELINE_SAMPLES = 15
 
 
-def _stats(samples: list[float]) -> tuple[float, float]:
-    """(median, p99) of ``samples``."""
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return statistics.median(ordered), p99
+def _stats(samples_us: list[float]) -> tuple[float, float]:
+    """(median, p99) of samples in microseconds (the gate benchmark's quantiles)."""
+    from session_gate.bench_gate import quantiles
+
+    return quantiles([us * 1000.0 for us in samples_us])
 
 
 def _timed_us(fn: Callable[[], Any], samples: int) -> list[float]:
