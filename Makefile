@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean \
-	sim-calibrate bench-sim-replica
+	sim-calibrate bench-sim-replica bench-clients sim sim-fidelity bench-sim
 
 setup:
 	bash scripts/setup.sh
@@ -75,6 +75,13 @@ bench-gate: setup
 bench-proxy: setup
 	$(PY) -m session_gate.bench_proxy
 
+# One gate per engine: the default workload's sessions split among 4 client processes against one
+# vllm serve, each with a local gate, all through the engine gate, and with no gate (plus the
+# single-client gate); then the middleware's added latency and the engine-loop cost of admit.
+# The last line is JSON.
+bench-clients: setup
+	$(PY) -m session_gate.bench.clients --clients 4 --workload default
+
 # Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
 # engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
 sim-calibrate: setup
@@ -84,6 +91,23 @@ sim-calibrate: setup
 # time against wall time of the same run; the last line is JSON.
 bench-sim-replica:
 	cargo run --release --quiet --example sim_replica_speed
+
+# The replica twin's GPU projection (SIMULATED): the agentic RL workloads on one H200 with two
+# models, every mode: the twin's speed first, then table + JSON + PNG; last line JSON.
+SIM_MODES := none,cap4,cap8,cap16,cap32,cap64,seed,gate
+sim: setup
+	$(PY) -m session_gate.sim.speed
+	$(PY) -m session_gate.sim --workload rl-rollout rl-async \
+		--profile h200-qwen2.5-7b h200-qwen2.5-32b --modes $(SIM_MODES) \
+		--out sim-results.json --plot sim-results.png
+
+# The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
+sim-fidelity: setup
+	$(PY) -m session_gate.sim.fidelity
+
+# The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
+bench-sim: setup
+	$(PY) -m session_gate.sim.speed
 
 clean:
 	cargo clean

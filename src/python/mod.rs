@@ -12,6 +12,7 @@ mod errors;
 mod gate;
 mod guard;
 mod residency;
+mod sim;
 mod sim_pool;
 mod tokens;
 
@@ -21,6 +22,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
     gate::register(m)?;
+    sim::register(m)?;
     sim_pool::register(m)?;
     Ok(())
 }

