@@ -50,7 +50,7 @@ fn probe(
     let mut last = WalkResult::default();
     for (id, prompt) in ids.iter().zip(prompts) {
         let warm = black_box(prompt.clone());
-        let (d, r) = time(|| cache.walk(Some(id), &warm, BS, hasher, resident));
+        let (d, r) = time(|| cache.walk(Some(id), &warm, BS, hasher, &mut { resident }));
         samples.push(d);
         last = r;
     }

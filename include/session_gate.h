@@ -199,7 +199,10 @@ typedef struct sg_usage {
     uint64_t num_blocks;
     /** Free blocks, cached or not. */
     uint64_t num_free_blocks;
-    /** Free blocks that still hold a cached prefix. */
+    /** Free blocks that still hold a cached prefix, when `has_num_cached_free_blocks`. The
+     * engine counts them only when asked (`session_gate_usage(count_cached_free=True)`), since
+     * that visits every block; the gate never decides on them, so leave the flag false. */
+    bool has_num_cached_free_blocks;
     uint64_t num_cached_free_blocks;
     /** Tokens per block (must be > 0). */
     uint64_t block_size;

@@ -2,7 +2,7 @@
 use std::collections::HashSet;
 
 use session_gate::hashing::{BlockHash, BlockHasher, HashAlgo};
-use session_gate::prefix::{ChainCache, WalkResult, max_hit_blocks};
+use session_gate::prefix::{ChainCache, Lookup, Residency, WalkResult, max_hit_blocks};
 
 const BS: usize = 16;
 
@@ -24,6 +24,16 @@ fn reference(tokens: &[u32]) -> Vec<BlockHash> {
     out
 }
 
+/// A deterministic `next(bound)` in `0..bound` (xorshift64), for the randomised tests.
+fn xorshift(mut state: u64) -> impl FnMut(usize) -> usize {
+    move |bound: usize| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % bound as u64) as usize
+    }
+}
+
 /// A stand-in for vLLM's `cached_block_hash_to_block`.
 fn resident(hashes: &[BlockHash]) -> HashSet<BlockHash> {
     hashes.iter().copied().collect()
@@ -38,7 +48,7 @@ fn walk(
     map: &HashSet<BlockHash>,
 ) -> (WalkResult, Vec<BlockHash>) {
     let mut seen = Vec::new();
-    let r = cache.walk(session, tokens, BS, h, |hash| {
+    let r = cache.walk(session, tokens, BS, h, &mut |hash: &BlockHash| {
         seen.push(*hash);
         map.contains(hash)
     });
@@ -181,7 +191,7 @@ fn the_cached_chain_equals_hash_full_blocks() {
         let mut tokens = prompt(300, 8);
         for turn in 0..5 {
             tokens.extend(prompt(97, turn));
-            cache.walk(Some("s"), &tokens, BS, &mut h, |_| true);
+            cache.walk(Some("s"), &tokens, BS, &mut h, &mut |_: &BlockHash| true);
             let mut expected = Vec::new();
             h.hash_full_blocks(None, &tokens, BS, &mut expected);
             expected.truncate(max_hit_blocks(tokens.len(), BS));
@@ -219,7 +229,7 @@ fn least_recently_used_sessions_are_evicted_first() {
     let tokens = prompt(16 * 64 + 1, 10); // 64 blocks each
     let one = {
         let mut probe = ChainCache::new(usize::MAX);
-        probe.walk(Some("a"), &tokens, BS, &mut h, |_| true);
+        probe.walk(Some("a"), &tokens, BS, &mut h, &mut |_: &BlockHash| true);
         probe.bytes()
     };
     // Room for two sessions of this size, not three.
@@ -250,7 +260,7 @@ fn bytes_stay_within_a_tiny_budget() {
     for turn in 0..40u32 {
         tokens.extend(prompt(100, turn));
         let id = format!("session-{}", turn % 7);
-        cache.walk(Some(&id), &tokens, BS, &mut h, |_| true);
+        cache.walk(Some(&id), &tokens, BS, &mut h, &mut |_: &BlockHash| true);
         assert!(
             cache.bytes() <= budget,
             "turn {turn}: {} > {budget}",
@@ -270,10 +280,10 @@ fn a_new_hash_configuration_invalidates_chains() {
     let tokens = prompt(800, 11);
     let mut cache = ChainCache::new(1 << 22);
     let mut a = hasher();
-    cache.walk(Some("s"), &tokens, BS, &mut a, |_| true);
+    cache.walk(Some("s"), &tokens, BS, &mut a, &mut |_: &BlockHash| true);
     let mut b = BlockHasher::new(HashAlgo::Sha256, &[0x5b; 32]).unwrap();
     let mut seen = Vec::new();
-    let r = cache.walk(Some("s"), &tokens, BS, &mut b, |hash| {
+    let r = cache.walk(Some("s"), &tokens, BS, &mut b, &mut |hash: &BlockHash| {
         seen.push(*hash);
         true
     });
@@ -289,13 +299,7 @@ fn a_new_hash_configuration_invalidates_chains() {
 /// Random edits, truncations, extensions and residency, checked against a fresh hasher.
 #[test]
 fn randomised_walks_match_the_reference() {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move |bound: usize| {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        (state % bound as u64) as usize
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
     let mut h = hasher();
     let mut cache = ChainCache::new(1 << 16);
     let mut prompts: Vec<Vec<u32>> = vec![Vec::new(); 4];
@@ -321,4 +325,139 @@ fn randomised_walks_match_the_reference() {
         assert_eq!(r.blocks_hashed + r.blocks_reused, seen.len());
         assert!(cache.bytes() <= cache.budget_bytes());
     }
+}
+
+/// A model of vLLM's block pool for witnesses: each cached block carries its hash and the
+/// identity of the hash object (a fresh one each time a block is cached).
+#[derive(Default)]
+struct ModelPool {
+    map: std::collections::HashMap<BlockHash, usize>,
+    blocks: Vec<Option<(BlockHash, u64)>>,
+    objects: u64,
+    lookups: usize,
+}
+
+impl ModelPool {
+    fn cache(&mut self, hash: BlockHash, block: usize) {
+        self.evict(block);
+        if self.map.contains_key(&hash) {
+            return; // vLLM keeps the first block for a hash
+        }
+        self.objects += 1;
+        self.blocks[block] = Some((hash, self.objects));
+        self.map.insert(hash, block);
+    }
+
+    fn evict(&mut self, block: usize) {
+        if let Some((hash, _)) = self.blocks[block].take() {
+            self.map.remove(&hash);
+        }
+    }
+}
+
+impl Residency for ModelPool {
+    type Witness = (usize, u64);
+
+    fn lookup(&mut self, hash: &BlockHash) -> Lookup<(usize, u64)> {
+        self.lookups += 1;
+        match self.map.get(hash) {
+            Some(&b) => Lookup::Hit(self.blocks[b].map(|(_, object)| (b, object))),
+            None => Lookup::Miss,
+        }
+    }
+
+    fn still_resident(&mut self, witnesses: &[Option<(usize, u64)>]) -> usize {
+        witnesses
+            .iter()
+            .take_while(|w| matches!(w, Some((b, o)) if self.blocks[*b].map(|x| x.1) == Some(*o)))
+            .count()
+    }
+}
+
+#[test]
+fn a_resident_chain_is_rechecked_without_lookups() {
+    let mut h = hasher();
+    let tokens = prompt(16 * 40 + 1, 21);
+    let mut pool = ModelPool {
+        blocks: vec![None; 64],
+        ..ModelPool::default()
+    };
+    for (i, hash) in reference(&tokens).into_iter().enumerate() {
+        pool.cache(hash, i);
+    }
+    let mut cache: ChainCache<(usize, u64)> = ChainCache::new(1 << 20);
+    let first = cache.walk(Some("s"), &tokens, BS, &mut h, &mut pool);
+    assert_eq!((first.hit_blocks, first.blocks_rechecked), (40, 0));
+    pool.lookups = 0;
+    let again = cache.walk(Some("s"), &tokens, BS, &mut h, &mut pool);
+    assert_eq!((again.hit_blocks, again.blocks_rechecked), (40, 40));
+    assert_eq!(pool.lookups, 0, "every block re-checked by its witness");
+
+    // Block 17 is evicted, then cached again under the same hash (a new hash object): the
+    // witness fails, a lookup finds it again.
+    let hash17 = pool.blocks[17].unwrap().0;
+    pool.evict(17);
+    let evicted = cache.walk(Some("s"), &tokens, BS, &mut h, &mut pool);
+    assert_eq!(evicted.hit_blocks, 17, "the eviction is reported");
+    pool.cache(hash17, 63);
+    let back = cache.walk(Some("s"), &tokens, BS, &mut h, &mut pool);
+    assert_eq!((back.hit_blocks, back.blocks_rechecked), (40, 39));
+
+    // Witnesses taken against another map are dropped, not trusted.
+    cache.invalidate_witnesses();
+    pool.lookups = 0;
+    let fresh = cache.walk(Some("s"), &tokens, BS, &mut h, &mut pool);
+    assert_eq!((fresh.hit_blocks, fresh.blocks_rechecked), (40, 0));
+    assert_eq!(pool.lookups, 40);
+}
+
+/// Random growth, edits, evictions and re-caching: walks with witnesses answer exactly what
+/// walks with lookups alone answer.
+#[test]
+fn witnesses_never_change_an_answer() {
+    let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
+    let mut h = hasher();
+    let mut plain_h = hasher();
+    let mut pool = ModelPool {
+        blocks: vec![None; 96],
+        ..ModelPool::default()
+    };
+    let mut with: ChainCache<(usize, u64)> = ChainCache::new(1 << 16);
+    let mut without: ChainCache = ChainCache::new(1 << 16);
+    let mut prompts: Vec<Vec<u32>> = vec![Vec::new(); 4];
+    let mut rechecked = 0;
+    for step in 0..600 {
+        let s = next(4);
+        let p = &mut prompts[s];
+        match next(6) {
+            0 => p.truncate(next(p.len() + 1)),
+            1 if !p.is_empty() => {
+                let i = next(p.len());
+                p[i] = next(1000) as u32;
+            }
+            _ if p.len() > 16 * 60 => p.truncate(16 * 3),
+            _ => p.extend(prompt(next(100), step)),
+        }
+        // The engine ran this prompt: its blocks are cached, into random (reused) blocks.
+        if next(2) == 0 {
+            for hash in reference(p) {
+                let block = next(pool.blocks.len());
+                pool.cache(hash, block);
+            }
+        }
+        for _ in 0..next(4) {
+            let block = next(pool.blocks.len());
+            pool.evict(block);
+        }
+        let id = format!("s{s}");
+        let r = with.walk(Some(&id), p, BS, &mut h, &mut pool);
+        let map = pool.map.clone();
+        let expected = without.walk(Some(&id), p, BS, &mut plain_h, &mut |hash: &BlockHash| {
+            map.contains_key(hash)
+        });
+        assert_eq!(r.hit_blocks, expected.hit_blocks, "step {step}");
+        assert!(r.blocks_rechecked <= r.hit_blocks);
+        rechecked += r.blocks_rechecked;
+    }
+    assert!(rechecked > 100, "witnesses were used ({rechecked})");
 }

@@ -97,7 +97,7 @@ fn probes_answer_what_the_pool_holds() {
     assert_eq!(r.usage(), u);
     assert_eq!(
         (u.num_blocks, u.num_free_blocks, u.num_cached_free_blocks),
-        (99, 99, 9)
+        (99, 99, Some(9))
     );
     assert_eq!(u.block_size, 16);
     assert!(u.problem().is_none());

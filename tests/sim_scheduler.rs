@@ -216,13 +216,14 @@ fn abort_frees_the_blocks_and_usage_reports_them_free() {
     let u = r.usage();
     assert_eq!(u.num_blocks, 19);
     assert_eq!(u.num_free_blocks, 19 - 4);
-    assert_eq!(u.num_cached_free_blocks, 0);
+    assert_eq!(u.num_cached_free_blocks, Some(0));
     assert!(r.abort_request(1));
     assert!(!r.abort_request(1));
     let u = r.usage();
     assert_eq!(u.num_free_blocks, 19);
     assert_eq!(
-        u.num_cached_free_blocks, 4,
+        u.num_cached_free_blocks,
+        Some(4),
         "the 4 full prompt blocks stay cached"
     );
     assert_eq!(u.kv_cache_usage, 0.0);

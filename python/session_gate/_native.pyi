@@ -56,13 +56,17 @@ class ProbeEngine:
         max_model_len: int,
         chain_cache_bytes: int,
         group_id: int = 0,
-    ) -> ProbeEngine: ...
+        block_type: type | None = None,
+    ) -> ProbeEngine:
+        """``block_type``: vLLM's ``KVCacheBlock`` class. With it, session probes keep what each
+        lookup found (the block and its hash object) and re-check it by identity next time."""
     def probe(
         self, cached_map: dict[bytes, object], session_id: str | None, token_ids: _TokenIds
-    ) -> tuple[int, int, int, int, int]:
+    ) -> tuple[int, int, int, int, int, int]:
         """Longest resident prefix of ``token_ids`` in ``cached_map`` (vLLM's
         ``BlockHashToBlockMap._cache``): ``(hit_blocks, hit_tokens, prompt_tokens,
-        blocks_hashed, blocks_reused)``. ``session_id=None`` does not remember the chain."""
+        blocks_hashed, blocks_reused, blocks_rechecked)``. ``session_id=None`` does not
+        remember the chain."""
     def forget(self, session_id: str) -> bool:
         """Drops a session's remembered hash chain; whether one was held."""
     @property
@@ -71,6 +75,9 @@ class ProbeEngine:
     def chain_cache_sessions(self) -> int: ...
     @property
     def hash_algo(self) -> str: ...
+    @property
+    def witnesses(self) -> bool:
+        """Whether session probes keep witnesses (a ``block_type`` with a plain slot layout)."""
 
 def count_cached_free_blocks(
     blocks: list[object], cached_block_hashes_by_block: dict[int, object]
@@ -272,7 +279,7 @@ class GateCore:
         kv_cache_usage: float,
         num_blocks: int,
         num_free_blocks: int,
-        num_cached_free_blocks: int,
+        num_cached_free_blocks: int | None,
         block_size: int,
         now: float,
     ) -> None: ...

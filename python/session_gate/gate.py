@@ -42,6 +42,12 @@ logger = logging.getLogger("session_gate")
 _now = time.monotonic
 _perf = time.perf_counter
 
+
+def _optional_int(value: Any) -> int | None:
+    """``None`` stays ``None`` (a count the engine was not asked for), anything else is an int."""
+    return None if value is None else int(value)
+
+
 if sys.version_info >= (3, 11):
     _timeout = asyncio.timeout
 else:  # pragma: no cover - Python 3.10
@@ -372,7 +378,7 @@ class SessionGate:
                         float(answer["kv_cache_usage"]),
                         int(answer["num_blocks"]),
                         int(answer["num_free_blocks"]),
-                        int(answer["num_cached_free_blocks"]),
+                        _optional_int(answer.get("num_cached_free_blocks")),
                         int(answer["block_size"]),
                         _now(),
                     )

@@ -20,7 +20,7 @@ def usage_answer(usage: float, num_blocks: int, block_size: int) -> dict[str, An
         "kv_cache_usage": usage,
         "num_blocks": num_blocks,
         "num_free_blocks": max(num_blocks - used, 0),
-        "num_cached_free_blocks": 0,
+        "num_cached_free_blocks": None,
         "block_size": block_size,
     }
 

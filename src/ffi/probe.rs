@@ -95,7 +95,9 @@ impl Probe for CallbackProbe {
                 kv_cache_usage: u.kv_cache_usage,
                 num_blocks: u.num_blocks,
                 num_free_blocks: u.num_free_blocks,
-                num_cached_free_blocks: u.num_cached_free_blocks,
+                num_cached_free_blocks: u
+                    .has_num_cached_free_blocks
+                    .then_some(u.num_cached_free_blocks),
                 block_size: u.block_size,
             })
         })

@@ -15,7 +15,7 @@ pub fn usage_report(usage: f64, num_blocks: u64, block_size: u64) -> UsageReport
         kv_cache_usage: usage,
         num_blocks,
         num_free_blocks: num_blocks.saturating_sub(used),
-        num_cached_free_blocks: 0,
+        num_cached_free_blocks: None,
         block_size,
     }
 }

@@ -93,8 +93,10 @@ pub struct UsageReport {
     pub num_blocks: u64,
     /// Free blocks (cached or not).
     pub num_free_blocks: u64,
-    /// Free blocks that still hold a cached prefix.
-    pub num_cached_free_blocks: u64,
+    /// Free blocks that still hold a cached prefix, when the engine was asked to count them
+    /// (`session_gate_usage(count_cached_free=True)`): exact, but a visit of every block, so
+    /// the usage probe the gate makes leaves it `None`. The gate never decides on it.
+    pub num_cached_free_blocks: Option<u64>,
     /// Tokens per block.
     pub block_size: u64,
 }

@@ -1,6 +1,6 @@
 //! One session's hash chain and the lazy longest-prefix walk over it.
 use super::fingerprint::{PrefixFp, block_fp};
-use super::{WalkResult, max_hit_blocks};
+use super::{Lookup, Residency, WalkResult, max_hit_blocks};
 use crate::hashing::{BlockHash, BlockHasher};
 
 /// Blocks per storage segment. Chains grow a turn at a time; fixed segments mean growing never
@@ -10,39 +10,56 @@ const SEGMENT_BLOCKS: usize = 64;
 
 /// Storage for up to [`SEGMENT_BLOCKS`] consecutive blocks, allocated at full size.
 #[derive(Debug)]
-struct Segment {
+struct Segment<W> {
     /// Digests back to back, `stride` bytes each (all from one algorithm).
     hashes: Vec<u8>,
     fps: Vec<u128>,
+    /// What the last lookup of each block found, if it was a hit with a witness.
+    witnesses: Vec<Option<W>>,
 }
 
-impl Segment {
+impl<W> Segment<W> {
     fn new(stride: usize) -> Self {
         Self {
             hashes: Vec::with_capacity(SEGMENT_BLOCKS * stride),
             fps: Vec::with_capacity(SEGMENT_BLOCKS),
+            witnesses: Vec::with_capacity(SEGMENT_BLOCKS),
         }
     }
 
     fn heap_bytes(&self) -> usize {
-        self.hashes.capacity() + self.fps.capacity() * size_of::<u128>()
+        self.hashes.capacity()
+            + self.fps.capacity() * size_of::<u128>()
+            + self.witnesses.capacity() * size_of::<Option<W>>()
     }
 }
 
 /// The vLLM hashes of the first blocks of one token sequence (the session's last prompt(s)),
-/// with what is needed to tell, cheaply, whether a new prompt starts with the same blocks.
+/// with what is needed to tell, cheaply, whether a new prompt starts with the same blocks, and
+/// the witnesses of the last walk's hits.
 ///
-/// Invariant: block `i`'s fingerprint and vLLM hash are at `segments[i / SEGMENT_BLOCKS]`,
-/// slot `i % SEGMENT_BLOCKS`; `prefix_fp` is the fingerprint of all `len` blocks' tokens in
-/// order; all blocks come from one token sequence.
-#[derive(Debug, Default)]
-pub(super) struct Chain {
-    segments: Vec<Segment>,
+/// Invariant: block `i`'s fingerprint, vLLM hash and witness are at
+/// `segments[i / SEGMENT_BLOCKS]`, slot `i % SEGMENT_BLOCKS`; `prefix_fp` is the fingerprint of
+/// all `len` blocks' tokens in order; all blocks come from one token sequence. A witness is only
+/// ever stored for the hash in the same slot (it is dropped whenever that hash is).
+#[derive(Debug)]
+pub(super) struct Chain<W> {
+    segments: Vec<Segment<W>>,
     len: usize,
     prefix_fp: u128,
 }
 
-impl Chain {
+impl<W> Default for Chain<W> {
+    fn default() -> Self {
+        Self {
+            segments: Vec::new(),
+            len: 0,
+            prefix_fp: 0,
+        }
+    }
+}
+
+impl<W> Chain<W> {
     /// Number of blocks in the chain.
     pub(super) fn len(&self) -> usize {
         self.len
@@ -50,14 +67,15 @@ impl Chain {
 
     /// Heap bytes held (capacity, not length: that is what the allocator gave us).
     pub(super) fn heap_bytes(&self) -> usize {
-        self.segments.capacity() * size_of::<Segment>()
+        self.segments.capacity() * size_of::<Segment<W>>()
             + self.segments.iter().map(Segment::heap_bytes).sum::<usize>()
     }
 
     /// Heap bytes of a chain of `blocks` blocks with `stride`-byte digests, at the least.
     pub(super) fn heap_bytes_for(blocks: usize, stride: usize) -> usize {
         let segments = blocks.div_ceil(SEGMENT_BLOCKS);
-        segments * (size_of::<Segment>() + SEGMENT_BLOCKS * (stride + size_of::<u128>()))
+        let per_block = stride + size_of::<u128>() + size_of::<Option<W>>();
+        segments * (size_of::<Segment<W>>() + SEGMENT_BLOCKS * per_block)
     }
 
     /// The most blocks a chain fits in `bytes`, in whole segments.
@@ -75,6 +93,27 @@ impl Chain {
     #[inline]
     fn fp(&self, i: usize) -> u128 {
         self.segments[i / SEGMENT_BLOCKS].fps[i % SEGMENT_BLOCKS]
+    }
+
+    /// Block `i`'s witness slot.
+    #[inline]
+    fn witness_mut(&mut self, i: usize) -> &mut Option<W> {
+        &mut self.segments[i / SEGMENT_BLOCKS].witnesses[i % SEGMENT_BLOCKS]
+    }
+
+    /// Witnesses of blocks `from..to`, which must lie in one segment.
+    #[inline]
+    fn witness_run(&self, from: usize, to: usize) -> &[Option<W>] {
+        let segment = &self.segments[from / SEGMENT_BLOCKS];
+        let at = from % SEGMENT_BLOCKS;
+        &segment.witnesses[at..at + (to - from)]
+    }
+
+    /// Drops every witness (they were taken against another map); the hashes stay.
+    pub(super) fn clear_witnesses(&mut self) {
+        for segment in &mut self.segments {
+            segment.witnesses.iter_mut().for_each(|w| *w = None);
+        }
     }
 
     /// Starts pulling the hashes of the first `blocks` blocks into cache (whole segments).
@@ -98,6 +137,7 @@ impl Chain {
             let keep = blocks - (blocks - 1) / SEGMENT_BLOCKS * SEGMENT_BLOCKS;
             last.hashes.truncate(keep * stride);
             last.fps.truncate(keep);
+            last.witnesses.truncate(keep);
         }
         self.len = blocks;
     }
@@ -110,6 +150,7 @@ impl Chain {
         let last = self.segments.last_mut().expect("a segment with room");
         last.hashes.extend_from_slice(hash.as_bytes());
         last.fps.push(fp);
+        last.witnesses.push(None);
         self.len += 1;
     }
 
@@ -127,17 +168,44 @@ impl Chain {
         self.prefix_fp = PrefixFp::of(&tokens[..self.len * block_size]);
     }
 
+    /// Looks block `i`'s stored hash up and keeps what the lookup found as its witness.
+    fn look_up<R: Residency<Witness = W>>(&mut self, i: usize, stride: usize, res: &mut R) -> bool {
+        let (hit, witness) = match res.lookup(&self.hash(i, stride)) {
+            Lookup::Miss => (false, None),
+            Lookup::Hit(w) => (true, w),
+        };
+        *self.witness_mut(i) = witness;
+        hit
+    }
+
+    /// Whether block `i` is resident: its witness re-checked if it has one that still holds
+    /// (counted in `rechecked`), else a lookup.
+    fn check<R: Residency<Witness = W>>(
+        &mut self,
+        i: usize,
+        stride: usize,
+        res: &mut R,
+        rechecked: &mut usize,
+    ) -> bool {
+        if res.still_resident(self.witness_run(i, i + 1)) == 1 {
+            *rechecked += 1;
+            return true;
+        }
+        self.look_up(i, stride, res)
+    }
+
     /// vLLM's longest-prefix walk over `tokens`, reusing this chain's hashes where the prompt
     /// has the same blocks and hashing the rest lazily (only blocks the walk reaches).
     ///
     /// Afterwards the chain holds this prompt's blocks if any had to be hashed (a block that
-    /// differs drops the chain from there on); otherwise it is left as it was.
-    pub(super) fn walk(
+    /// differs drops the chain from there on); otherwise its hashes are left as they were.
+    /// Witnesses are refreshed by every lookup.
+    pub(super) fn walk<R: Residency<Witness = W>>(
         &mut self,
         tokens: &[u32],
         block_size: usize,
         hasher: &mut BlockHasher,
-        mut is_resident: impl FnMut(&BlockHash) -> bool,
+        res: &mut R,
     ) -> WalkResult {
         let stride = hasher.algo().digest_len();
         let lookups = max_hit_blocks(tokens.len(), block_size);
@@ -146,15 +214,23 @@ impl Chain {
         self.prefetch_hashes(lookups.min(self.len));
         let (mut stream, vouched) = self.shared_prefix(tokens, block_size, lookups);
 
-        // Blocks the whole-prefix fingerprint vouched for: look up the stored hashes as is.
+        // Blocks the whole-prefix fingerprint vouched for: re-check the witnesses a segment at
+        // a time; a block whose witness no longer holds is looked up by its stored hash.
         let mut hits = 0;
+        let mut rechecked = 0;
         let mut missed = false;
         while hits < vouched {
-            if !is_resident(&self.hash(hits, stride)) {
-                missed = true;
-                break;
+            let end = vouched.min((hits / SEGMENT_BLOCKS + 1) * SEGMENT_BLOCKS);
+            let proven = res.still_resident(self.witness_run(hits, end));
+            hits += proven;
+            rechecked += proven;
+            if hits < end {
+                if !self.look_up(hits, stride, res) {
+                    missed = true;
+                    break;
+                }
+                hits += 1;
             }
-            hits += 1;
         }
         let mut reused = hits + usize::from(missed);
         let mut hashed = 0;
@@ -164,9 +240,9 @@ impl Chain {
         let mut changed = false;
         while !missed && hits < lookups {
             let block = &tokens[hits * block_size..(hits + 1) * block_size];
-            let hash = if hits < self.len && self.fp(hits) == block_fp(block) {
+            let resident = if hits < self.len && self.fp(hits) == block_fp(block) {
                 reused += 1;
-                self.hash(hits, stride)
+                self.check(hits, stride, res, &mut rechecked)
             } else {
                 // The chain's block `hits` (if any) differs, so it is stale from here on.
                 self.truncate(hits, stride);
@@ -175,10 +251,10 @@ impl Chain {
                 self.push(&hash, block_fp(block));
                 hashed += 1;
                 changed = true;
-                hash
+                self.look_up(hits, stride, res)
             };
-            missed = !is_resident(&hash);
-            hits += usize::from(!missed);
+            missed = !resident;
+            hits += usize::from(resident);
         }
 
         if changed {
@@ -196,6 +272,7 @@ impl Chain {
             prompt_tokens: tokens.len(),
             blocks_hashed: hashed,
             blocks_reused: reused,
+            blocks_rechecked: rechecked,
         }
     }
 
@@ -242,11 +319,11 @@ fn prefetch(bytes: &[u8]) {
 }
 
 /// vLLM's longest-prefix walk with nothing cached: hash block by block, stop at the first miss.
-pub(super) fn walk_uncached(
+pub(super) fn walk_uncached<R: Residency>(
     tokens: &[u32],
     block_size: usize,
     hasher: &mut BlockHasher,
-    mut is_resident: impl FnMut(&BlockHash) -> bool,
+    res: &mut R,
 ) -> WalkResult {
     let lookups = max_hit_blocks(tokens.len(), block_size);
     let mut result = WalkResult {
@@ -257,7 +334,7 @@ pub(super) fn walk_uncached(
     for block in tokens.chunks_exact(block_size.max(1)).take(lookups) {
         let hash = hasher.hash_block(parent.as_ref(), block);
         result.blocks_hashed += 1;
-        if !is_resident(&hash) {
+        if let Lookup::Miss = res.lookup(&hash) {
             break;
         }
         result.hit_blocks += 1;
@@ -271,18 +348,21 @@ pub(super) fn walk_uncached(
 mod tests {
     use super::*;
     use crate::hashing::HashAlgo;
+    use crate::prefix::NoWitness;
+
+    type Plain = Chain<NoWitness>;
 
     #[test]
     fn segments_hold_exactly_what_was_pushed() {
         let hashes: Vec<BlockHash> = (0..200u8)
             .map(|i| BlockHash::from_bytes(&[i; 16]).unwrap())
             .collect();
-        let mut chain = Chain::default();
+        let mut chain = Plain::default();
         for (i, h) in hashes.iter().enumerate() {
             chain.push(h, i as u128);
         }
         assert_eq!(chain.hashes(16), hashes);
-        assert_eq!(chain.heap_bytes(), Chain::heap_bytes_for(200, 16));
+        assert_eq!(chain.heap_bytes(), Plain::heap_bytes_for(200, 16));
         for keep in [199, 129, 128, 127, 64, 1, 0] {
             chain.truncate(keep, 16);
             assert_eq!(chain.hashes(16), hashes[..keep], "keep {keep}");
@@ -291,11 +371,11 @@ mod tests {
         chain.push(&hashes[5], 5);
         assert_eq!(chain.hashes(16), [hashes[5]]);
         assert_eq!(
-            Chain::blocks_within(Chain::heap_bytes_for(130, 32), 32),
+            Plain::blocks_within(Plain::heap_bytes_for(130, 32), 32),
             192
         );
         assert_eq!(
-            Chain::blocks_within(Chain::heap_bytes_for(128, 32), 32),
+            Plain::blocks_within(Plain::heap_bytes_for(128, 32), 32),
             128
         );
     }
@@ -307,36 +387,36 @@ mod tests {
     #[test]
     fn prefix_fp_tracks_the_chain_after_every_change() {
         let mut h = hasher();
-        let mut chain = Chain::default();
+        let mut chain = Plain::default();
         let mut tokens: Vec<u32> = (0..100).collect();
-        chain.walk(&tokens, 4, &mut h, |_| true);
+        chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
         assert_eq!(chain.len(), 24);
         assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..96]));
 
         tokens.extend(100..140);
-        chain.walk(&tokens, 4, &mut h, |_| true);
+        chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
         assert_eq!(chain.len(), 34);
         assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..136]));
 
         tokens[10] = 9999;
-        chain.walk(&tokens, 4, &mut h, |_| true);
+        chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
         assert_eq!(chain.len(), 34);
         assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..136]));
 
         chain.shrink_to(5, 32, &tokens, 4);
         assert_eq!(chain.len(), 5);
         assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..20]));
-        assert_eq!(chain.heap_bytes(), Chain::heap_bytes_for(5, 32));
+        assert_eq!(chain.heap_bytes(), Plain::heap_bytes_for(5, 32));
     }
 
     #[test]
     fn a_miss_inside_a_reused_prefix_leaves_the_chain_alone() {
         let mut h = hasher();
-        let mut chain = Chain::default();
+        let mut chain = Plain::default();
         let tokens: Vec<u32> = (0..65).collect();
-        chain.walk(&tokens, 4, &mut h, |_| true);
+        chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
         let before = chain.hashes(32);
-        let r = chain.walk(&tokens, 4, &mut h, |_| false);
+        let r = chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| false);
         assert_eq!((r.hit_blocks, r.blocks_hashed, r.blocks_reused), (0, 0, 1));
         assert_eq!(chain.hashes(32), before);
     }

@@ -2,21 +2,24 @@
 use std::collections::{BTreeMap, HashMap};
 
 use super::chain::{Chain, walk_uncached};
-use super::{WalkResult, max_hit_blocks};
+use super::{NoWitness, Residency, WalkResult, max_hit_blocks};
 use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
 
 /// Bookkeeping bytes per session besides its chain and id: the hash-map slot (at hashbrown's
 /// 7/8 load factor, plus its control byte) and the LRU index entry (B-tree nodes run about
 /// half full, so twice the entry size).
-const PER_SESSION_OVERHEAD: usize =
-    size_of::<(Box<str>, Entry)>() * 8 / 7 + 1 + 2 * size_of::<(u64, Box<str>)>();
+const fn per_session_overhead<W>() -> usize {
+    size_of::<(Box<str>, Entry<W>)>() * 8 / 7 + 1 + 2 * size_of::<(u64, Box<str>)>()
+}
 
 /// One cached session.
 #[derive(Debug)]
-struct Entry {
-    chain: Chain,
+struct Entry<W> {
+    chain: Chain<W>,
     /// Key of this session in the LRU index.
     last_used: u64,
+    /// The witness generation the chain's witnesses were taken in.
+    generation: u64,
 }
 
 /// What the cached chains were hashed with; a different configuration invalidates them all.
@@ -33,18 +36,26 @@ struct ChainConfig {
 /// One `ChainCache` serves one engine: it records the hash algorithm, `NONE_HASH` and block
 /// size of the chains it holds and drops them all if a walk comes with different ones.
 /// Memory is bounded by `budget_bytes`; the least recently walked sessions are evicted first.
+///
+/// `W` is the witness type of the [`Residency`] the walks use: what each hit left behind so the
+/// next walk can re-check the block without a lookup ([`NoWitness`] when every block is looked
+/// up). Witnesses are only valid against the map they were taken from:
+/// [`ChainCache::invalidate_witnesses`] forgets them all when that changes.
 #[derive(Debug)]
-pub struct ChainCache {
+pub struct ChainCache<W = NoWitness> {
     budget_bytes: usize,
     bytes: usize,
     config: Option<ChainConfig>,
-    sessions: HashMap<Box<str>, Entry>,
+    sessions: HashMap<Box<str>, Entry<W>>,
     /// `last_used` tick → session id, oldest first.
     lru: BTreeMap<u64, Box<str>>,
     tick: u64,
+    /// Bumped by `invalidate_witnesses`; a chain from an older generation drops its witnesses
+    /// before its next walk (lazily, so invalidating is O(1)).
+    generation: u64,
 }
 
-impl ChainCache {
+impl<W> ChainCache<W> {
     /// An empty cache that holds at most about `budget_bytes` of chains and bookkeeping.
     pub fn new(budget_bytes: usize) -> Self {
         Self {
@@ -54,6 +65,7 @@ impl ChainCache {
             sessions: HashMap::new(),
             lru: BTreeMap::new(),
             tick: 0,
+            generation: 0,
         }
     }
 
@@ -66,19 +78,21 @@ impl ChainCache {
     /// shares with it and updated with any blocks hashed now; `None` caches nothing. What is
     /// cached depends only on the tokens, never on `is_resident`'s answers, so a lookup that
     /// fails (and answers false) cannot leave a wrong chain behind.
-    /// A `block_size` of 0 looks nothing up.
-    pub fn walk(
+    /// A `block_size` of 0 looks nothing up. Hits re-checked through a witness of an earlier
+    /// walk count in `blocks_rechecked`; a witness that no longer holds costs a lookup, so the
+    /// answer is always what lookups alone would give.
+    pub fn walk<R: Residency<Witness = W>>(
         &mut self,
         session: Option<&str>,
         tokens: &[u32],
         block_size: usize,
         hasher: &mut BlockHasher,
-        is_resident: impl FnMut(&BlockHash) -> bool,
+        res: &mut R,
     ) -> WalkResult {
         let lookups = max_hit_blocks(tokens.len(), block_size);
         // A prompt with no full block before its last token has nothing to cache.
         let Some(id) = session.filter(|_| lookups > 0) else {
-            return walk_uncached(tokens, block_size, hasher, is_resident);
+            return walk_uncached(tokens, block_size, hasher, res);
         };
         self.configure(ChainConfig {
             algo: hasher.algo(),
@@ -94,6 +108,7 @@ impl ChainCache {
                 Entry {
                     chain: Chain::default(),
                     last_used: tick,
+                    generation: self.generation,
                 },
             );
             self.lru.insert(tick, id.into());
@@ -110,8 +125,13 @@ impl ChainCache {
             entry.last_used = tick;
         }
 
+        if entry.generation != self.generation {
+            entry.chain.clear_witnesses();
+            entry.generation = self.generation;
+        }
+
         let before = entry.chain.heap_bytes();
-        let result = entry.chain.walk(tokens, block_size, hasher, is_resident);
+        let result = entry.chain.walk(tokens, block_size, hasher, res);
         self.bytes = self.bytes - before + entry.chain.heap_bytes();
         if self.bytes > self.budget_bytes {
             self.enforce_budget(id, tokens, result.blocks_hashed > 0);
@@ -127,6 +147,12 @@ impl ChainCache {
         self.lru.remove(&entry.last_used);
         self.bytes -= Self::session_bytes(&id, &entry.chain);
         true
+    }
+
+    /// Forgets every witness (the map they were taken from was replaced); the hashes stay.
+    /// O(1): each chain drops its witnesses before its next walk.
+    pub fn invalidate_witnesses(&mut self) {
+        self.generation += 1;
     }
 
     /// Drops every chain.
@@ -176,8 +202,8 @@ impl ChainCache {
         }
     }
 
-    fn session_bytes(id: &str, chain: &Chain) -> usize {
-        PER_SESSION_OVERHEAD + 2 * id.len() + chain.heap_bytes()
+    fn session_bytes(id: &str, chain: &Chain<W>) -> usize {
+        per_session_overhead::<W>() + 2 * id.len() + chain.heap_bytes()
     }
 
     /// Evicts other sessions, oldest first; if `current` alone is still too big, keeps only as
@@ -207,7 +233,7 @@ impl ChainCache {
         let room = self
             .budget_bytes
             .saturating_sub(others + Self::session_bytes(current, &Chain::default()));
-        let blocks = Chain::blocks_within(room, stride);
+        let blocks = Chain::<W>::blocks_within(room, stride);
         if grew && blocks > 0 && blocks < entry.chain.len() {
             let before = entry.chain.heap_bytes();
             entry
@@ -231,11 +257,11 @@ mod tests {
 
     #[test]
     fn accounting_returns_to_zero() {
-        let mut cache = ChainCache::new(1 << 20);
+        let mut cache: ChainCache = ChainCache::new(1 << 20);
         let mut h = hasher();
         let tokens: Vec<u32> = (0..1000).collect();
-        cache.walk(Some("a"), &tokens, 16, &mut h, |_| true);
-        cache.walk(Some("bb"), &tokens, 16, &mut h, |_| true);
+        cache.walk(Some("a"), &tokens, 16, &mut h, &mut |_: &BlockHash| true);
+        cache.walk(Some("bb"), &tokens, 16, &mut h, &mut |_: &BlockHash| true);
         assert!(cache.bytes() > 0);
         assert!(cache.forget("a"));
         assert!(!cache.forget("a"));
@@ -246,30 +272,40 @@ mod tests {
 
     #[test]
     fn new_configuration_drops_old_chains() {
-        let mut cache = ChainCache::new(1 << 20);
+        let mut cache: ChainCache = ChainCache::new(1 << 20);
         let tokens: Vec<u32> = (0..100).collect();
-        cache.walk(Some("a"), &tokens, 16, &mut hasher(), |_| true);
+        cache.walk(
+            Some("a"),
+            &tokens,
+            16,
+            &mut hasher(),
+            &mut |_: &BlockHash| true,
+        );
         assert!(cache.contains("a"));
         let mut other = BlockHasher::new(HashAlgo::Sha256, &[2; 32]).unwrap();
-        cache.walk(Some("b"), &tokens, 16, &mut other, |_| true);
+        cache.walk(Some("b"), &tokens, 16, &mut other, &mut |_: &BlockHash| {
+            true
+        });
         assert!(!cache.contains("a") && cache.contains("b"));
-        cache.walk(Some("b"), &tokens, 32, &mut other, |_| true);
+        cache.walk(Some("b"), &tokens, 32, &mut other, &mut |_: &BlockHash| {
+            true
+        });
         assert_eq!(cache.session_hashes("b").unwrap().len(), 3);
     }
 
     #[test]
     fn a_session_bigger_than_the_budget_keeps_a_prefix() {
         let tokens: Vec<u32> = (0..16 * 100 + 1).collect();
-        let one_session = ChainCache::session_bytes("s", &Chain::default());
-        let budget = one_session + Chain::heap_bytes_for(64, 32) + 100;
-        let mut cache = ChainCache::new(budget);
+        let one_session = ChainCache::<NoWitness>::session_bytes("s", &Chain::default());
+        let budget = one_session + Chain::<NoWitness>::heap_bytes_for(64, 32) + 100;
+        let mut cache: ChainCache = ChainCache::new(budget);
         let mut h = hasher();
-        let r = cache.walk(Some("s"), &tokens, 16, &mut h, |_| true);
+        let r = cache.walk(Some("s"), &tokens, 16, &mut h, &mut |_: &BlockHash| true);
         assert_eq!(r.hit_blocks, 100);
         assert!(cache.bytes() <= budget);
         assert_eq!(cache.session_hashes("s").unwrap().len(), 64);
         // The kept prefix is still reused next time.
-        let r = cache.walk(Some("s"), &tokens, 16, &mut h, |_| true);
+        let r = cache.walk(Some("s"), &tokens, 16, &mut h, &mut |_: &BlockHash| true);
         assert_eq!((r.blocks_reused, r.blocks_hashed), (64, 36));
     }
 }

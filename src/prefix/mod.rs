@@ -8,13 +8,17 @@
 //! hit.
 //!
 //! [`ChainCache`] runs that walk with lazy hashing and remembers each session's hash chain, so a
-//! session whose prompt grows by one turn only pays for the new blocks.
+//! session whose prompt grows by one turn only pays for the new blocks. With a [`Residency`]
+//! that hands out witnesses, it also remembers what each lookup found, so re-checking a resident
+//! prefix costs one pointer comparison per block instead of a map lookup.
 
 mod chain;
 mod chain_cache;
 mod fingerprint;
+mod residency;
 
 pub use chain_cache::ChainCache;
+pub use residency::{Lookup, NoWitness, Residency};
 
 /// What one longest-prefix walk found, and what it cost.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,6 +33,8 @@ pub struct WalkResult {
     pub blocks_hashed: usize,
     /// Blocks whose hash came from the session's cached chain.
     pub blocks_reused: usize,
+    /// Hits proven by a witness from an earlier walk, without a lookup in the engine's map.
+    pub blocks_rechecked: usize,
 }
 
 impl WalkResult {

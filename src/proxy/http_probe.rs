@@ -104,7 +104,11 @@ impl HttpProbe {
             kv_cache_usage: f64_field(&v, "kv_cache_usage")?,
             num_blocks: u64_field(&v, "num_blocks")?,
             num_free_blocks: u64_field(&v, "num_free_blocks")?,
-            num_cached_free_blocks: u64_field(&v, "num_cached_free_blocks")?,
+            // `null` (or absent) unless the count was asked for; a number must be a valid one.
+            num_cached_free_blocks: match v.get("num_cached_free_blocks") {
+                None | Some(Value::Null) => None,
+                Some(_) => Some(u64_field(&v, "num_cached_free_blocks")?),
+            },
             block_size: u64_field(&v, "block_size")?,
         };
         *self.last_usage.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);

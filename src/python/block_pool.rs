@@ -1,9 +1,9 @@
 //! Reading vLLM's `KVCacheBlock` objects straight from their slots, through the CPython API.
 //!
 //! `KVCacheBlock` is a `@dataclass(slots=True)`: each field is a member descriptor at a fixed
-//! offset in the object. Counting free-but-cached blocks means visiting every block; a Python
-//! attribute read costs ~20 ns, a slot read ~1 ns, and the usage probe runs inside the engine's
-//! busy loop. The layout is checked at run time (exact type, member descriptors of object type):
+//! offset in the object. Counting free-but-cached blocks means visiting every block (which is why
+//! the usage probe only counts when asked); a Python attribute read costs ~20 ns, a slot read
+//! ~1 ns. The layout is checked at run time (exact type, member descriptors of object type):
 //! if vLLM ever changes the class, we fall back to ordinary attribute reads, never to guessing.
 use pyo3::ffi;
 use pyo3::intern;
@@ -18,33 +18,36 @@ struct SlotLayout {
     block_id: isize,
 }
 
+/// Byte offset of `name` in instances of `block_type`, when it is a plain object slot (a member
+/// descriptor of type `Py_T_OBJECT_EX` in the class's own namespace); `None` otherwise.
+pub(super) fn member_offset(block_type: &Bound<'_, PyType>, name: &str) -> Option<isize> {
+    let namespace = block_type
+        .getattr(intern!(block_type.py(), "__dict__"))
+        .ok()?;
+    let descr = namespace.get_item(name).ok()?;
+    // SAFETY: `descr` is a live object; the type check guards the cast, and CPython's member
+    // descriptors always carry a valid `d_member` pointer.
+    unsafe {
+        let member_descr_type = &raw mut ffi::PyMemberDescr_Type;
+        if ffi::PyObject_TypeCheck(descr.as_ptr(), member_descr_type) == 0 {
+            return None;
+        }
+        let member = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member;
+        if member.is_null() || (*member).type_code != ffi::Py_T_OBJECT_EX {
+            return None;
+        }
+        Some((*member).offset).filter(|&o| o > 0)
+    }
+}
+
 impl SlotLayout {
     /// The layout of `block_type`, or `None` when a field is not a plain object slot.
     fn resolve(block_type: &Bound<'_, PyType>) -> Option<Self> {
-        let offset = |name: &str| -> Option<isize> {
-            let namespace = block_type
-                .getattr(intern!(block_type.py(), "__dict__"))
-                .ok()?;
-            let descr = namespace.get_item(name).ok()?;
-            // SAFETY: `descr` is a live object; the type check guards the cast, and CPython's
-            // member descriptors always carry a valid `d_member` pointer.
-            unsafe {
-                let member_descr_type = &raw mut ffi::PyMemberDescr_Type;
-                if ffi::PyObject_TypeCheck(descr.as_ptr(), member_descr_type) == 0 {
-                    return None;
-                }
-                let member = (*(descr.as_ptr() as *mut ffi::PyMemberDescrObject)).d_member;
-                if member.is_null() || (*member).type_code != ffi::Py_T_OBJECT_EX {
-                    return None;
-                }
-                Some((*member).offset).filter(|&o| o > 0)
-            }
-        };
         Some(Self {
             block_type: block_type.as_ptr() as *mut ffi::PyTypeObject,
-            ref_cnt: offset("ref_cnt")?,
-            block_hash: offset("_block_hash")?,
-            block_id: offset("block_id")?,
+            ref_cnt: member_offset(block_type, "ref_cnt")?,
+            block_hash: member_offset(block_type, "_block_hash")?,
+            block_id: member_offset(block_type, "block_id")?,
         })
     }
 

@@ -4,11 +4,11 @@
 //! (`BlockPool.cached_block_hash_to_block._cache`), the block list and `cached_block_hashes_by_block`
 //! — and this module reads them through the CPython API, without calling any Python function per
 //! block and without touching anything vLLM would notice (no ref counts, no LRU order, no stats).
-use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use super::guard::{no_panic, no_panic_then};
+use super::residency::{BlockWitness, HashSlot, KeyBuf, MapResidency};
 use super::tokens::{TokenLimits, read_prompt};
 use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
 use crate::prefix::ChainCache;
@@ -17,20 +17,29 @@ use crate::prefix::ChainCache;
 #[pyclass(module = "session_gate._native")]
 pub(crate) struct ProbeEngine {
     hasher: BlockHasher,
-    chains: ChainCache,
+    chains: ChainCache<BlockWitness>,
     block_size: usize,
     /// vLLM's map key is the block hash followed by the 4-byte big-endian KV-cache group id.
     group_suffix: [u8; 4],
     limits: TokenLimits,
-    key_buf: Vec<u8>,
+    keys: KeyBuf,
+    /// Where `KVCacheBlock` keeps its hash; `None` when no block type was given or its layout
+    /// is not plain slots: then every block is looked up (still exact, only slower).
+    hash_slot: Option<HashSlot>,
+    /// The map the chains' witnesses were taken from. Held, so its address cannot be reused by
+    /// another dict while witnesses point into it.
+    witness_map: Option<Py<PyAny>>,
 }
 
 #[pymethods]
 impl ProbeEngine {
     /// Creates a probe for one engine: its hash algorithm, NONE_HASH, block size, KV-cache group,
     /// vocabulary size, context length and the byte budget of the per-session chain cache.
+    /// `block_type` is vLLM's `KVCacheBlock` class: with it, session probes remember the blocks
+    /// they found and re-check them without a lookup next time.
     #[new]
-    #[pyo3(signature = (hash_algo, none_hash, block_size, vocab_size, max_model_len, chain_cache_bytes, group_id=0))]
+    #[pyo3(signature = (hash_algo, none_hash, block_size, vocab_size, max_model_len, chain_cache_bytes, group_id=0, block_type=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         hash_algo: &str,
         none_hash: &[u8],
@@ -39,6 +48,7 @@ impl ProbeEngine {
         max_model_len: usize,
         chain_cache_bytes: usize,
         group_id: u32,
+        block_type: Option<&Bound<'_, PyType>>,
     ) -> PyResult<Self> {
         no_panic("ProbeEngine()", || {
             if block_size == 0 {
@@ -56,22 +66,24 @@ impl ProbeEngine {
                     vocab_size,
                     max_model_len,
                 },
-                key_buf: Vec::with_capacity(64),
+                keys: KeyBuf::default(),
+                hash_slot: block_type.and_then(HashSlot::resolve),
+                witness_map: None,
             })
         })
     }
 
     /// Longest resident prefix of `token_ids` in `cached_map` (vLLM's `BlockHashToBlockMap._cache`).
     ///
-    /// Returns `(hit_blocks, hit_tokens, prompt_tokens, blocks_hashed, blocks_reused)`.
-    /// `session_id=None` probes without remembering the chain.
+    /// Returns `(hit_blocks, hit_tokens, prompt_tokens, blocks_hashed, blocks_reused,
+    /// blocks_rechecked)`. `session_id=None` probes without remembering the chain.
     #[pyo3(signature = (cached_map, session_id, token_ids))]
     fn probe(
         &mut self,
         cached_map: &Bound<'_, PyDict>,
         session_id: Option<&str>,
         token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<(usize, usize, usize, usize, usize)> {
+    ) -> PyResult<ProbeTuple> {
         let budget = self.chains.budget_bytes();
         let mut panicked = false;
         let result = no_panic_then(
@@ -108,7 +120,16 @@ impl ProbeEngine {
     fn hash_algo(&self) -> &'static str {
         self.hasher.algo().name()
     }
+
+    /// Whether session probes keep witnesses (a `block_type` with a plain `_block_hash` slot).
+    #[getter]
+    fn witnesses(&self) -> bool {
+        self.hash_slot.is_some()
+    }
 }
+
+/// `(hit_blocks, hit_tokens, prompt_tokens, blocks_hashed, blocks_reused, blocks_rechecked)`.
+type ProbeTuple = (usize, usize, usize, usize, usize, usize);
 
 impl ProbeEngine {
     fn probe_inner(
@@ -116,46 +137,33 @@ impl ProbeEngine {
         cached_map: &Bound<'_, PyDict>,
         session_id: Option<&str>,
         token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<(usize, usize, usize, usize, usize)> {
+    ) -> PyResult<ProbeTuple> {
         let tokens = read_prompt(token_ids, Some(self.limits))?;
-        let py = cached_map.py();
-        let Self {
-            hasher,
-            chains,
-            block_size,
-            group_suffix,
-            key_buf,
-            ..
-        } = self;
-        let mut lookup_error = None;
-        let map = cached_map.as_ptr();
-        let is_resident = |hash: &BlockHash| {
-            key_buf.clear();
-            key_buf.extend_from_slice(hash.as_bytes());
-            key_buf.extend_from_slice(group_suffix);
-            // Raw CPython calls: one small bytes object and one dict probe per block, no Python
-            // function call and no new reference to the found block (we only test presence).
-            // SAFETY: we hold the GIL; `key` is a new reference we own and release below;
-            // `PyDict_GetItemWithError` returns a borrowed pointer we never dereference.
-            unsafe {
-                let key = ffi::PyBytes_FromStringAndSize(
-                    key_buf.as_ptr().cast(),
-                    key_buf.len() as ffi::Py_ssize_t,
-                );
-                if key.is_null() {
-                    lookup_error.get_or_insert_with(|| PyErr::fetch(py));
-                    return false;
-                }
-                let found = ffi::PyDict_GetItemWithError(map, key);
-                ffi::Py_DECREF(key);
-                if found.is_null() && !ffi::PyErr_Occurred().is_null() {
-                    lookup_error.get_or_insert_with(|| PyErr::fetch(py));
-                }
-                !found.is_null()
-            }
+        if self
+            .witness_map
+            .as_ref()
+            .is_none_or(|m| !m.is(cached_map.as_any()))
+        {
+            // Another map (another pool, or the one `reset_prefix_cache` made): the blocks the
+            // witnesses name may not be in it.
+            self.chains.invalidate_witnesses();
+            self.witness_map = Some(cached_map.clone().into_any().unbind());
+        }
+        let mut residency = MapResidency {
+            map: cached_map.as_any(),
+            keys: &mut self.keys,
+            group_suffix: self.group_suffix,
+            slot: self.hash_slot.as_ref(),
+            error: None,
         };
-        let walk = chains.walk(session_id, &tokens, *block_size, hasher, is_resident);
-        if let Some(err) = lookup_error {
+        let walk = self.chains.walk(
+            session_id,
+            &tokens,
+            self.block_size,
+            &mut self.hasher,
+            &mut residency,
+        );
+        if let Some(err) = residency.error {
             return Err(err);
         }
         Ok((
@@ -164,6 +172,7 @@ impl ProbeEngine {
             walk.prompt_tokens,
             walk.blocks_hashed,
             walk.blocks_reused,
+            walk.blocks_rechecked,
         ))
     }
 }

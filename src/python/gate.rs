@@ -367,7 +367,7 @@ impl PyGateCore {
         kv_cache_usage: f64,
         num_blocks: u64,
         num_free_blocks: u64,
-        num_cached_free_blocks: u64,
+        num_cached_free_blocks: Option<u64>,
         block_size: u64,
         now: f64,
     ) -> PyResult<()> {

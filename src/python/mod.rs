@@ -13,6 +13,7 @@ mod engine;
 mod errors;
 mod gate;
 mod guard;
+mod residency;
 mod sim;
 mod sim_pool;
 mod tokens;

@@ -24,7 +24,7 @@ pub(crate) fn read_prompt<'a>(
     limits: Option<TokenLimits>,
 ) -> Result<Cow<'a, [u32]>, Error> {
     let tokens: Cow<'a, [u32]> = if let Ok(b) = obj.cast::<PyBytes>() {
-        Cow::Owned(unpack_le_u32(b.as_bytes())?)
+        borrow_le_u32(b.as_bytes())?
     } else if let Ok(b) = obj.cast::<PyByteArray>() {
         // SAFETY-free copy: `to_vec` snapshots the buffer while we hold the interpreter.
         Cow::Owned(unpack_le_u32(&b.to_vec())?)
@@ -55,6 +55,13 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
             limits.max_model_len
         )));
     }
+    // A branch-free pass first, which the compiler vectorises (a 32K-token prompt in a few µs);
+    // the position is only searched for when there is something to report.
+    let limit = u32::try_from(limits.vocab_size).unwrap_or(u32::MAX);
+    let any_outside = tokens.iter().fold(false, |bad, &t| bad | (t >= limit));
+    if !any_outside {
+        return Ok(());
+    }
     if let Some((i, &t)) = tokens
         .iter()
         .enumerate()
@@ -66,6 +73,22 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+/// `bytes` as packed little-endian `u32`s, borrowed in place when the buffer is 4-byte aligned on
+/// a little-endian machine (a Python bytes object's buffer is): a 32K-token prompt is then read
+/// without copying its 128 KB.
+fn borrow_le_u32(bytes: &[u8]) -> Result<Cow<'_, [u32]>, Error> {
+    #[cfg(target_endian = "little")]
+    if bytes.len().is_multiple_of(4) {
+        // SAFETY: every bit pattern is a valid `u32`, and `align_to` only yields the middle part
+        // at a properly aligned address; on a little-endian machine it is the same values.
+        let (head, words, tail) = unsafe { bytes.align_to::<u32>() };
+        if head.is_empty() && tail.is_empty() {
+            return Ok(Cow::Borrowed(words));
+        }
+    }
+    unpack_le_u32(bytes).map(Cow::Owned)
 }
 
 fn unpack_le_u32(bytes: &[u8]) -> Result<Vec<u32>, Error> {

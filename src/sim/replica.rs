@@ -160,7 +160,9 @@ impl Replica {
             kv_cache_usage: pool.usage(),
             num_blocks: u64::from(pool.num_blocks() - 1),
             num_free_blocks: u64::from(pool.num_free_blocks()),
-            num_cached_free_blocks: u64::from(pool.num_cached_free_blocks()),
+            // The twin keeps this count in O(1), so it always answers it (the real plugin only
+            // counts when asked: `count_cached_free`).
+            num_cached_free_blocks: Some(u64::from(pool.num_cached_free_blocks())),
             block_size: u64::from(self.config.block_size),
         }
     }

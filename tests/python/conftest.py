@@ -29,6 +29,30 @@ def random_prompt(rng: random.Random, n: int, vocab: int = 4096) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
+def pool_snapshot(kv_cache_manager) -> dict:
+    """Everything of a ``KVCacheManager`` a probe could disturb: free-queue order, ref counts,
+    hashes, the prefix map and the prefix-cache statistics."""
+    import dataclasses
+
+    pool = kv_cache_manager.block_pool
+    order = []
+    node = pool.free_block_queue.fake_free_list_head.next_free_block
+    while node is not None and node is not pool.free_block_queue.fake_free_list_tail:
+        order.append(node.block_id)
+        node = node.next_free_block
+    cache = pool.cached_block_hash_to_block._cache
+    stats = kv_cache_manager.prefix_cache_stats
+    return {
+        "free_order": order,
+        "num_free": pool.get_num_free_blocks(),
+        "ref_cnt": [b.ref_cnt for b in pool.blocks],
+        "hashes": [b.block_hash for b in pool.blocks],
+        "map": {k: (v.block_id if hasattr(v, "block_id") else sorted(v)) for k, v in cache.items()},
+        "by_block": {k: sorted(v) for k, v in pool.cached_block_hashes_by_block.items()},
+        "stats": dataclasses.asdict(stats) if stats is not None else None,
+    }
+
+
 @pytest.fixture
 def rng() -> random.Random:
     return random.Random(1234)

@@ -50,7 +50,11 @@ def test_usage_reports_vllm_usage_and_block_counts(llm):
     assert 0 <= usage["num_free_blocks"] <= usage["num_blocks"]
     expected = 1.0 - usage["num_free_blocks"] / usage["num_blocks"]
     assert usage["kv_cache_usage"] == pytest.approx(expected)
-    assert 0 <= usage["num_cached_free_blocks"] <= usage["num_free_blocks"]
+    assert usage["num_cached_free_blocks"] is None  # O(1) unless asked for
+    counted = call(llm, "session_gate_usage", True)
+    assert 0 <= counted["num_cached_free_blocks"] <= counted["num_free_blocks"]
+    with pytest.raises(Exception, match="count_cached_free must be a bool"):
+        call(llm, "session_gate_usage", "yes")
 
 
 def test_cold_warm_extended_diverged_prompts_match_num_cached_tokens(llm):

@@ -7,12 +7,11 @@ to check that the native path follows the engine's own seed.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 
 import pytest
-from conftest import random_prompt, run_prompt
+from conftest import pool_snapshot, random_prompt, run_prompt
 from session_gate.engine.launch import make_llm
 
 BLOCK = 32
@@ -38,24 +37,9 @@ def engine_core(llm):
 
 
 def snapshot(core) -> dict:
-    """Everything a probe could disturb: free-queue order, ref counts, hashes, map, stats."""
-    kvm = core.scheduler.kv_cache_manager
-    pool = kvm.block_pool
-    order = []
-    node = pool.free_block_queue.fake_free_list_head.next_free_block
-    while node is not None and node is not pool.free_block_queue.fake_free_list_tail:
-        order.append(node.block_id)
-        node = node.next_free_block
-    cache = pool.cached_block_hash_to_block._cache
-    stats = kvm.prefix_cache_stats
+    """The block pool's state (see ``pool_snapshot``) and the scheduler's queues."""
     return {
-        "free_order": order,
-        "num_free": pool.get_num_free_blocks(),
-        "ref_cnt": [b.ref_cnt for b in pool.blocks],
-        "hashes": [b.block_hash for b in pool.blocks],
-        "map": {k: (v.block_id if hasattr(v, "block_id") else sorted(v)) for k, v in cache.items()},
-        "by_block": {k: sorted(v) for k, v in pool.cached_block_hashes_by_block.items()},
-        "stats": dataclasses.asdict(stats) if stats is not None else None,
+        **pool_snapshot(core.scheduler.kv_cache_manager),
         "waiting": len(core.scheduler.waiting),
         "running": len(core.scheduler.running),
     }
@@ -72,7 +56,7 @@ def test_a_burst_of_probes_changes_nothing_in_the_block_pool(llm):
     for i in range(300):
         p = prompts[i % 3]
         core.session_gate_probe(f"s{i % 7}", p[: len(p) - (i % 5)])
-        core.session_gate_usage()
+        core.session_gate_usage(i % 2 == 0)
     core.session_gate_forget("s1")
     assert snapshot(core) == before
 
@@ -98,8 +82,9 @@ def test_usage_counts_exactly_the_free_blocks_that_still_hold_a_prefix(llm):
             for b in pool.blocks
             if b.ref_cnt == 0 and (b.block_hash is not None or b.block_id in by_block)
         )
-        usage = core.session_gate_usage()
+        usage = core.session_gate_usage(True)
         assert expected > 0
+        assert core.session_gate_usage()["num_cached_free_blocks"] is None
         assert usage["num_cached_free_blocks"] == expected
         assert usage["kv_cache_usage"] == pool.get_usage()
         assert usage["num_free_blocks"] == pool.get_num_free_blocks()

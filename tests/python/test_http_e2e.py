@@ -93,7 +93,13 @@ def test_usage_route_answers_the_engines_block_counts(vllm_url):
     assert usage["num_blocks"] == NUM_BLOCKS - 1
     assert usage["block_size"] == BLOCK
     assert 0.0 <= usage["kv_cache_usage"] <= 1.0
-    assert usage["num_free_blocks"] + usage["num_cached_free_blocks"] >= 0
+    # O(1) by default: the free-but-cached count is only made when asked for.
+    assert usage["num_cached_free_blocks"] is None
+    status, counted = post(f"{vllm_url}/session_gate/v1/usage", {"count_cached_free": True})
+    assert status == 200
+    assert 0 <= counted["num_cached_free_blocks"] <= counted["num_free_blocks"]
+    status, bad = post(f"{vllm_url}/session_gate/v1/usage", {"count_cached_free": "yes"})
+    assert status == 400 and "count_cached_free" in bad["error"]["message"]
 
 
 def test_probe_sees_a_served_prefix_whatever_form_the_prompt_takes(vllm_url):

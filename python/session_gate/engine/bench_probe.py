@@ -1,50 +1,73 @@
 """``make bench-probe``: what a probe costs inside vLLM's engine loop, against vLLM's own Python.
 
-Two settings, both on vLLM's real data structures, each measured against its baseline in the
+Two cache sizes, each on vLLM's real data structures, each measured against its baseline in the
 same run:
 
-* **block 16** (the issue's setting): vLLM's ``BlockPool`` built in this process with
-  ``hash_block_size=16`` and filled with the 32,768-token prompt's blocks through vLLM's own
-  ``BlockHashToBlockMap.insert``. The CPU backend only runs block sizes that are multiples of 32,
-  so this is the closest a CPU machine gets to a block-16 engine.
-* **block 32 in a running engine**: a CPU engine (engine core in this process) that prefilled the
-  prompt; probes go through the installed ``EngineCore.session_gate_*`` methods and their own
-  ``engine_us`` timer.
+* **131,072 blocks of 16 tokens** (an H200's cache for a 7B model): a real ``KVCacheManager``
+  built in this process (no GPU needed at any size) and filled to 90% with many sessions'
+  prefixes through the scheduler's own calls (``get_computed_blocks``, ``allocate_slots``,
+  ``free``; see ``session_gate.engine.inprocess``). Probes run the exact code of the
+  ``session_gate_*`` utility methods (``EngineState.usage_answer`` / ``probe_answer``).
+* **1,104 blocks of 32 tokens in a running CPU engine** (engine core in this process, tiny
+  model with dummy weights): probes go through the installed ``EngineCore.session_gate_*``
+  methods.
 
-The baseline (``vllm_python_ms``) is vLLM's hashing and lookup for the same prompt:
-``hash_block_tokens`` per block (as ``request_block_hasher`` does) then ``get_cached_block`` per
-block until the first miss (as ``FullAttentionManager.find_longest_cache_hit`` does).
-Prints a table, then one JSON line last.
+Per size and call: the engine-loop time per call (each answer's own ``engine_us`` timer: what every
+running sequence waits), median and p99. The probes: usage (O(1)), usage with the exact
+free-but-cached count (opt-in, linear), a full probe of a 32,768-token prompt, and an incremental
+probe (the same session's prompt grown by a 512-token turn, every block resident). The baseline
+(``vllm_python_ms``) is vLLM's own Python path for the same prompt on the same cache: its request
+block hasher, then ``get_cached_block`` per block until the first miss (as
+``find_longest_cache_hit`` does). Prints a table, then one JSON line last.
+
+Memory: the in-process cache takes about 0.5 GB; the CPU engine about 1.5 GB (tiny model, a 72 MB
+KV cache). If the engine does not start (another process holds the memory, or the machine is
+smaller), the error says why; ``SESSION_GATE_BENCH_ENGINE=0`` skips it and keeps the in-process
+measurements.
 """
 
 from __future__ import annotations
 
 import array
+import gc
 import json
 import os
 import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 PROMPT_TOKENS = 32_768
 TURN_TOKENS = 512
-REPEATS = 30
+GPU_BLOCKS = 131_072
+GPU_BLOCK_SIZE = 16
+FILL = 0.90
+#: Samples per timed call (p99 needs a few hundred); vLLM's Python path is slower, fewer.
+SAMPLES = 300
+BASELINE_SAMPLES = 15
 
 
-def _median_us(fn, repeats: int = REPEATS) -> float:
-    samples = []
-    for _ in range(repeats):
+def _stats(samples_us: list[float]) -> tuple[float, float]:
+    """(median, p99) of samples in microseconds (the gate benchmark's quantiles)."""
+    from session_gate.bench_gate import quantiles
+
+    return quantiles([us * 1000.0 for us in samples_us])
+
+
+def _timed_us(fn: Callable[[], Any], samples: int) -> list[float]:
+    out = []
+    for _ in range(samples):
         t0 = time.perf_counter_ns()
         fn()
-        samples.append((time.perf_counter_ns() - t0) / 1000.0)
-    return statistics.median(samples)
+        out.append((time.perf_counter_ns() - t0) / 1000.0)
+    return out
 
 
 def _vllm_python_probe(hash_fn, get_cached_block, tokens: list[int], block: int):
     """vLLM's own path for one prompt: its request block hasher over a real ``Request``, then
-    ``get_cached_block`` per block until the first miss. Returns a function timing one run."""
+    ``get_cached_block`` per block until the first miss. Returns a function running it once."""
     from vllm import SamplingParams
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
@@ -63,63 +86,136 @@ def _vllm_python_probe(hash_fn, get_cached_block, tokens: list[int], block: int)
     return run
 
 
-def bench_block_pool(block: int, prompt: list[int], grown: list[int]) -> dict[str, Any]:
-    """Native probe vs vLLM's Python on a real ``BlockPool`` holding ``grown``'s blocks."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.core.block_pool import BlockPool
-
-    from session_gate import _native
-
-    hash_fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(hash_fn)
-    none_hash = kv_cache_utils.NONE_HASH
-    n_blocks = len(grown) // block
-    pool = BlockPool(num_gpu_blocks=n_blocks + 2, enable_caching=True, hash_block_size=block)
-    for i, h in enumerate(_native.hash_blocks("sha256", none_hash, grown, block)):
-        key = kv_cache_utils.make_block_hash_with_group_id(h, 0)
-        pool.cached_block_hash_to_block.insert(key, pool.blocks[i + 1])
-    cache = pool.cached_block_hash_to_block._cache
-    budget = 256 * 1024 * 1024
-    engine = _native.ProbeEngine("sha256", none_hash, block, 1 << 32, 1 << 20, budget)
+def _measure(
+    usage: Callable[[bool], dict[str, Any]],
+    probe: Callable[[str | None, bytes], dict[str, Any]],
+    forget: Callable[[str], Any],
+    vllm_probe: Callable[[], int],
+    prompt: list[int],
+    grown: list[int],
+    block: int,
+) -> dict[str, Any]:
+    """Every timed call on one cache, through the utility methods' code (``engine_us``)."""
     packed, packed_grown = (array.array("I", t).tobytes() for t in (prompt, grown))
-
     expect = (len(prompt) - 1) // block * block
-    vllm_probe = _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block)
-    assert engine.probe(cache, None, packed)[1] == expect
+    full = probe(None, packed)
+    assert full["hit_tokens"] == expect, full
     assert vllm_probe() == expect
 
-    full_us = _median_us(lambda: engine.probe(cache, None, packed))
-    full_list_us = _median_us(lambda: engine.probe(cache, None, prompt))
-    python_us = _median_us(vllm_probe, 10)
+    def engine_us(call: Callable[[], dict[str, Any]], samples: int = SAMPLES) -> list[float]:
+        return [call()["engine_us"] for _ in range(samples)]
 
     counter = iter(range(10**9))
 
-    def incremental() -> float:
+    def incremental() -> dict[str, Any]:
         sid = f"inc-{next(counter)}"
-        engine.probe(cache, sid, packed)
-        t0 = time.perf_counter_ns()
-        engine.probe(cache, sid, packed_grown)
-        return (time.perf_counter_ns() - t0) / 1000.0
+        probe(sid, packed)
+        answer = probe(sid, packed_grown)
+        forget(sid)
+        assert answer["hit_tokens"] == (len(grown) - 1) // block * block, answer
+        return answer
 
-    incremental_us = statistics.median(incremental() for _ in range(REPEATS))
-    lookups_only_us = _median_us(lambda: engine.probe(cache, "warm", packed_grown))
+    last = incremental()
+    row: dict[str, Any] = {"block_size": block, "num_blocks": usage(False)["num_blocks"]}
+    gc.collect()
+    for name, call in (
+        ("usage_probe_us", lambda: usage(False)),
+        ("usage_counted_us", lambda: usage(True)),
+        ("full_probe_us", lambda: probe(None, packed)),
+        ("incremental_probe_us", incremental),
+    ):
+        row[name], row[name.replace("_us", "_p99_us")] = _stats(engine_us(call))
+    python_us, _ = _stats(_timed_us(vllm_probe, BASELINE_SAMPLES))
+    row.update(
+        full_probe_ms=row["full_probe_us"] / 1000.0,
+        vllm_python_ms=python_us / 1000.0,
+        speedup=python_us / row["full_probe_us"],
+        incremental_blocks_rechecked=last["blocks_rechecked"],
+        incremental_blocks_hashed=last["blocks_hashed"],
+        num_cached_free_blocks=usage(True)["num_cached_free_blocks"],
+        kv_cache_usage=usage(False)["kv_cache_usage"],
+    )
+    return row
 
-    chain = _native.ProbeEngine("sha256", none_hash, block, 1 << 32, 1 << 20, budget)
-    for s in range(10_000):
-        chain.probe(cache, f"s{s}", packed)
-    return {
-        "block_size": block,
-        "full_probe_ms": full_us / 1000.0,
-        "full_probe_list_input_ms": full_list_us / 1000.0,
-        "vllm_python_ms": python_us / 1000.0,
-        "speedup": python_us / full_us,
-        "incremental_probe_us": incremental_us,
-        "rewalk_cached_chain_us": lookups_only_us,
-        "chain_cache_bytes_10k": chain.chain_cache_bytes,
-        "chain_cache_sessions_10k": chain.chain_cache_sessions,
-        "chain_cache_budget_bytes": budget,
-    }
+
+def bench_gpu_sized(prompt: list[int], grown: list[int]) -> dict[str, Any]:
+    """131,072 blocks of 16 tokens in-process, 90% full of many sessions' prefixes."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    from session_gate.engine.inprocess import SchedulerDriver, engine_state, make_kv_cache_manager
+
+    block = GPU_BLOCK_SIZE
+    kvm = make_kv_cache_manager(GPU_BLOCKS, block, max_model_len=len(grown) + block)
+    driver = SchedulerDriver(kvm)
+    pool = kvm.block_pool
+    rng = random.Random(1)
+    # The measured session's prefix (the grown prompt, so the turn's blocks are resident too)
+    # first, then other sessions' prefixes (4K-32K tokens, sharing a system prompt) until the
+    # cache is 90% full. All finished: their blocks are free but cached, as between turns.
+    driver.run(grown)
+    system = [rng.randrange(3, 4096) for _ in range(2048)]
+    sessions = 1
+    target = int(FILL * (GPU_BLOCKS - 1))
+    while (room := target - len(pool.cached_block_hash_to_block)) >= 64:
+        new_tokens = min(rng.randrange(2048, 30720), room * block)
+        driver.run(system + [rng.randrange(3, 4096) for _ in range(new_tokens)])
+        sessions += 1
+    assert pool.get_num_free_blocks() == GPU_BLOCKS - 1, "every request was freed"
+    state = engine_state(kvm, vocab_size=4096, max_model_len=len(grown) + block)
+    assert state.path == "native", state.path
+    vllm_probe = _vllm_python_probe(
+        get_hash_fn_by_name("sha256"), pool.get_cached_block, prompt, block
+    )
+    row = _measure(
+        state.usage_answer, state.probe_answer, state.forget, vllm_probe, prompt, grown, block
+    )
+    row.update(sessions=sessions, num_cached_blocks=len(pool.cached_block_hash_to_block))
+    row.update(_breakdown(state, prompt, grown))
+    return row
+
+
+def _breakdown(state: Any, prompt: list[int], grown: list[int]) -> dict[str, Any]:
+    """Where a probe's time goes, native calls only (no answer dict), in the same run: the
+    incremental probe with witnesses and with a dict lookup per block (how it worked before), and
+    the full probe against vLLM's hashing done natively without any lookup."""
+    from vllm.v1.core import kv_cache_utils
+
+    from session_gate import _native
+
+    cache = state.block_pool.cached_block_hash_to_block._cache
+    packed, packed_grown = (array.array("I", t).tobytes() for t in (prompt, grown))
+    args = ("sha256", kv_cache_utils.NONE_HASH, state.block_size, 1 << 32, 1 << 20, 1 << 28)
+    out: dict[str, Any] = {}
+    for name, engine in (
+        ("witnesses", _native.ProbeEngine(*args, block_type=kv_cache_utils.KVCacheBlock)),
+        ("lookups", _native.ProbeEngine(*args)),
+    ):
+        counter = iter(range(10**9))
+
+        def incremental(engine: Any = engine, counter: Any = counter) -> float:
+            sid = f"b-{next(counter)}"
+            engine.probe(cache, sid, packed)
+            t0 = time.perf_counter_ns()
+            engine.probe(cache, sid, packed_grown)
+            elapsed = (time.perf_counter_ns() - t0) / 1000.0
+            engine.forget(sid)
+            return elapsed
+
+        out[f"native_incremental_{name}_us"] = statistics.median(
+            incremental() for _ in range(SAMPLES // 3)
+        )
+    full = _native.ProbeEngine(*args)
+    out["native_full_us"] = statistics.median(
+        _timed_us(lambda: full.probe(cache, None, packed), SAMPLES // 3)
+    )
+    # Hashing only (and one bytes object per block for the list it returns): the floor.
+    out["native_hash_only_us"] = statistics.median(
+        _timed_us(
+            lambda: _native.hash_blocks("sha256", kv_cache_utils.NONE_HASH, packed, 16),
+            SAMPLES // 3,
+        )
+    )
+    return out
 
 
 def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
@@ -130,48 +226,47 @@ def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
 
     block = 32
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
-    llm = make_llm(
-        num_blocks=len(grown) // block + 64,
-        block_size=block,
-        max_model_len=len(grown) + 64,
-        max_num_batched_tokens=8192,
-    )
+    try:
+        llm = make_llm(
+            num_blocks=len(grown) // block + 64,
+            block_size=block,
+            max_model_len=len(grown) + 64,
+            max_num_batched_tokens=8192,
+        )
+    except Exception as exc:
+        raise SystemExit(
+            f"bench-probe: the CPU engine did not start ({type(exc).__name__}: {exc}).\n"
+            "It needs about 1.5 GB of free memory besides this process (tiny model, 1,104 "
+            "blocks x 32 tokens). Free memory (stop other vLLM engines), or run with "
+            "SESSION_GATE_BENCH_ENGINE=0 to keep only the in-process measurements."
+        ) from exc
     try:
         core = llm.llm_engine.engine_core.engine_core
         generate(llm, grown)
-        packed, packed_grown = (array.array("I", t).tobytes() for t in (prompt, grown))
-        answer = core.session_gate_probe(None, packed)
-        assert answer["hit_tokens"] == (len(prompt) - 1) // block * block, answer
-
-        def engine_us(method: str, *args) -> float:
-            return statistics.median(
-                getattr(core, method)(*args)["engine_us"] for _ in range(REPEATS)
-            )
-
-        counter = iter(range(10**9))
-
-        def incremental() -> float:
-            sid = f"inc-{next(counter)}"
-            core.session_gate_probe(sid, packed)
-            return core.session_gate_probe(sid, packed_grown)["engine_us"]
-
         pool = core.scheduler.kv_cache_manager.block_pool
-        hash_fn = get_hash_fn_by_name("sha256")
-        vllm_probe = _vllm_python_probe(hash_fn, pool.get_cached_block, prompt, block)
-        assert vllm_probe() == answer["hit_tokens"]
-        python_us = _median_us(vllm_probe, 10)
-        full_us = engine_us("session_gate_probe", None, packed)
-        return {
-            "block_size": block,
-            "full_probe_ms": full_us / 1000.0,
-            "vllm_python_ms": python_us / 1000.0,
-            "speedup": python_us / full_us,
-            "incremental_probe_us": statistics.median(incremental() for _ in range(REPEATS)),
-            "usage_probe_us": engine_us("session_gate_usage"),
-            "num_cached_blocks": len(pool.cached_block_hash_to_block),
-        }
+        vllm_probe = _vllm_python_probe(
+            get_hash_fn_by_name("sha256"), pool.get_cached_block, prompt, block
+        )
+        row = _measure(
+            core.session_gate_usage,
+            core.session_gate_probe,
+            core.session_gate_forget,
+            vllm_probe,
+            prompt,
+            grown,
+            block,
+        )
+        row["num_cached_blocks"] = len(pool.cached_block_hash_to_block)
+        return row
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def _print_row(name: str, row: dict[str, Any]) -> None:
+    print(f"\n{name}:")
+    for key, value in row.items():
+        text = f"{value:,.3f}" if isinstance(value, float) else f"{value:,}"
+        print(f"  {key:<34} {text}")
 
 
 def main() -> None:
@@ -181,28 +276,31 @@ def main() -> None:
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"prompt {PROMPT_TOKENS} tokens + a {TURN_TOKENS}-token turn; sha256; "
-        f"median of {REPEATS}"
+        f"engine-loop time per call (engine_us), median and p99 of {SAMPLES}"
     )
-    pool16 = bench_block_pool(16, prompt, grown)
-    engine32 = bench_engine(prompt, grown)
-    for name, row in (("BlockPool, block 16", pool16), ("engine, block 32", engine32)):
-        print(f"\n{name}:")
-        for key, value in row.items():
-            print(
-                f"  {key:<28} {value:,.3f}"
-                if isinstance(value, float)
-                else f"  {key:<28} {value:,}"
-            )
-    result = {
-        "full_probe_ms": pool16["full_probe_ms"],
-        "vllm_python_ms": pool16["vllm_python_ms"],
-        "speedup": pool16["speedup"],
-        "incremental_probe_us": pool16["incremental_probe_us"],
-        "usage_probe_us": engine32["usage_probe_us"],
-        "chain_cache_bytes_10k": pool16["chain_cache_bytes_10k"],
-        "engine_block32": engine32,
-        "block_pool_block16": pool16,
+    gpu = bench_gpu_sized(prompt, grown)
+    _print_row(f"in-process KVCacheManager, {GPU_BLOCKS:,} blocks x {GPU_BLOCK_SIZE}", gpu)
+    gc.collect()
+    engine: dict[str, Any] | None = None
+    if os.environ.get("SESSION_GATE_BENCH_ENGINE", "1") != "0":
+        engine = bench_engine(prompt, grown)
+        _print_row(f"CPU engine, {engine['num_blocks'] + 1:,} blocks x 32", engine)
+    result: dict[str, Any] = {
+        # Block 16 (the issue's setting) is only possible in-process: the CPU backend needs
+        # multiples of 32.
+        "full_probe_ms": gpu["full_probe_ms"],
+        "vllm_python_ms": gpu["vllm_python_ms"],
+        "speedup": gpu["speedup"],
+        "usage_probe_us_131k": gpu["usage_probe_us"],
+        "incremental_probe_us_131k": gpu["incremental_probe_us"],
+        "gpu_sized_block16": gpu,
     }
+    if engine is not None:
+        result.update(
+            usage_probe_us=engine["usage_probe_us"],
+            incremental_probe_us=engine["incremental_probe_us"],
+            engine_block32=engine,
+        )
     print(json.dumps(result, sort_keys=True))
 
 

@@ -351,7 +351,8 @@ class EngineGateDriver:
             float(u["kv_cache_usage"]),
             int(u["num_blocks"]),
             int(u["num_free_blocks"]),
-            int(u["num_cached_free_blocks"]),
+            # None: the O(1) usage probe does not count free-but-cached blocks.
+            None if u["num_cached_free_blocks"] is None else int(u["num_cached_free_blocks"]),
             int(u["block_size"]),
         )
         self._usage_memo = (self._pass, values)

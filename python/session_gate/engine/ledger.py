@@ -41,8 +41,28 @@ LEDGER: tuple[Patch, ...] = (
         checks=("vllm.v1.core.block_pool:BlockHashToBlockMap#_cache",),
     ),
     Patch(
+        symbol="vllm.v1.core.kv_cache_utils.KVCacheBlock._block_hash (slot), by identity",
+        how="read only: a session probe keeps a strong reference to each block it found and to "
+        "the hash object in its _block_hash slot, and next time re-checks `slot is object` "
+        "instead of a dict lookup; any other value means a lookup",
+        why="re-walking a resident 32K-token prefix by dict lookups cost 120-270 us per probe "
+        "inside the engine loop; by identity it is a pointer compare per block. Exact because "
+        "vLLM sets a block's primary hash only while inserting it into the map "
+        "(_insert_block_hash) and clears it only while removing it (_remove_cached_block_hashes, "
+        "reset_prefix_cache, which also replaces the map: witnesses are dropped on a new map)",
+        removable_when="BlockPool exposes an eviction counter or a batched residency check",
+        checks=(
+            "vllm.v1.core.kv_cache_utils:KVCacheBlock._block_hash",
+            "vllm.v1.core.kv_cache_utils:KVCacheBlock.set_block_hash",
+            "vllm.v1.core.kv_cache_utils:KVCacheBlock.reset_hash",
+            "vllm.v1.core.block_pool:BlockPool._insert_block_hash",
+            "vllm.v1.core.block_pool:BlockPool._remove_cached_block_hashes",
+        ),
+    ),
+    Patch(
         symbol="vllm.v1.core.block_pool.BlockPool.cached_block_hashes_by_block, .blocks",
-        how="read only: counts cached blocks whose ref_cnt is 0",
+        how="read only, and only for session_gate_usage(count_cached_free=True): counts cached "
+        "blocks whose ref_cnt is 0 (a visit of every block, so never on the gate's path)",
         why="get_usage() counts free-but-cached blocks as free; the gate needs both numbers",
         removable_when="BlockPool reports its number of cached free blocks",
         checks=(

@@ -37,18 +37,31 @@ def _load_native() -> tuple[Any, str | None]:
 
 
 class EngineState:
-    """What the probes need from one engine core, resolved once on the first call."""
+    """What the probes need from one engine core, resolved once on the first call.
 
-    def __init__(self, core: EngineCore, native: Any, native_error: str | None) -> None:
-        kvm = core.scheduler.kv_cache_manager
-        config = core.vllm_config
+    Built from the engine's ``KVCacheManager`` and a few settings, so the benchmark can also
+    build one around a ``KVCacheManager`` of GPU size in-process (``of_core`` is the engine's way).
+    """
+
+    def __init__(
+        self,
+        kv_cache_manager: Any,
+        *,
+        hash_algo: str,
+        vocab_size: int,
+        max_model_len: int,
+        lora_enabled: bool,
+        native: Any,
+        native_error: str | None = None,
+    ) -> None:
+        kvm = kv_cache_manager
         self.kv_cache_manager = kvm
         self.block_pool = kvm.block_pool
         self.block_size = int(self.block_pool.hash_block_size)
-        self.hash_algo = str(config.cache_config.prefix_caching_hash_algo)
-        self.vocab_size = int(config.model_config.get_vocab_size())
-        self.max_model_len = int(config.model_config.max_model_len)
-        self.unavailable = native_error or self._why_unavailable(kvm, config)
+        self.hash_algo = str(hash_algo)
+        self.vocab_size = int(vocab_size)
+        self.max_model_len = int(max_model_len)
+        self.unavailable = native_error or self._why_unavailable(kvm, lora_enabled)
         self.path = "unavailable" if self.unavailable else self._choose_path(kvm)
         self.native = None
         if self.path == "native":
@@ -62,15 +75,40 @@ class EngineState:
                 self.vocab_size,
                 self.max_model_len,
                 budget,
+                # With the block class, session probes remember the blocks they found and
+                # re-check them by identity next time (see src/python/residency.rs).
+                block_type=kv_cache_utils.KVCacheBlock,
             )
         self._python_hash_fn = get_hash_fn_by_name(self.hash_algo)
         self._native_module = native
 
+    @classmethod
+    def of_core(cls, core: EngineCore, native: Any, native_error: str | None) -> EngineState:
+        config = core.vllm_config
+        return cls(
+            core.scheduler.kv_cache_manager,
+            hash_algo=str(config.cache_config.prefix_caching_hash_algo),
+            vocab_size=int(config.model_config.get_vocab_size()),
+            max_model_len=int(config.model_config.max_model_len),
+            lora_enabled=config.lora_config is not None,
+            native=native,
+            native_error=native_error,
+        )
+
     @staticmethod
-    def _why_unavailable(kvm: Any, config: Any) -> str | None:
+    def _why_unavailable(kvm: Any, lora_enabled: bool) -> str | None:
         if not kvm.enable_caching:
             return "prefix caching is disabled in this engine"
-        if config.lora_config is not None:
+        lookahead = getattr(kvm.block_pool, "num_hash_lookahead_tokens", 0)
+        if lookahead:
+            # vLLM 0.33+ with EAGLE block drop: each block's hash also covers the next tokens,
+            # which neither the native hasher nor hash_block_tokens(..., None) computes. Answer
+            # nothing rather than a wrong ratio.
+            return (
+                f"block hashes cover num_hash_lookahead_tokens={lookahead} lookahead tokens "
+                "(EAGLE), which the probe does not compute"
+            )
+        if lora_enabled:
             # A LoRA request's blocks hash with its adapter name; a probe of bare token ids
             # cannot know which adapter the session's next turn will use.
             return "LoRA is enabled: block hashes depend on the request's adapter"
@@ -93,28 +131,34 @@ class EngineState:
 
     # -- usage ------------------------------------------------------------------------------
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, count_cached_free: bool = False) -> dict[str, Any]:
+        """O(1) unless ``count_cached_free``: the exact number of free-but-cached blocks means
+        visiting every block (about 0.5 ms at 10^5 blocks), so it is ``None`` unless asked for."""
         pool = self.block_pool
-        if self._native_module is not None:
-            cached_free = self._native_module.count_cached_free_blocks(
-                pool.blocks, pool.cached_block_hashes_by_block
-            )
-        else:
-            by_block = pool.cached_block_hashes_by_block
-            cached_free = sum(
-                1
-                for b in pool.blocks
-                if b.ref_cnt == 0 and (b.block_hash is not None or b.block_id in by_block)
-            )
         return {
             "kv_cache_usage": float(pool.get_usage()),
             # The null block is never usable; vLLM's usage excludes it too.
             "num_blocks": int(pool.num_gpu_blocks) - 1,
             "num_free_blocks": int(pool.get_num_free_blocks()),
-            "num_cached_free_blocks": int(cached_free),
+            "num_cached_free_blocks": self._count_cached_free() if count_cached_free else None,
             "block_size": self.block_size,
             "hash_algo": self.hash_algo,
         }
+
+    def _count_cached_free(self) -> int:
+        pool = self.block_pool
+        if self._native_module is not None:
+            return int(
+                self._native_module.count_cached_free_blocks(
+                    pool.blocks, pool.cached_block_hashes_by_block
+                )
+            )
+        by_block = pool.cached_block_hashes_by_block
+        return sum(
+            1
+            for b in pool.blocks
+            if b.ref_cnt == 0 and (b.block_hash is not None or b.block_id in by_block)
+        )
 
     # -- prefix -----------------------------------------------------------------------------
 
@@ -123,10 +167,14 @@ class EngineState:
             raise TypeError(f"session_id must be a str or None, got {type(session_id).__name__}")
         answer: dict[str, Any]
         if self.path == "native":
-            hit_blocks, hit_tokens, prompt_tokens, hashed, reused = self.native.probe(
+            hit_blocks, hit_tokens, prompt_tokens, hashed, reused, rechecked = self.native.probe(
                 self.block_pool.cached_block_hash_to_block._cache, session_id, token_ids
             )
-            answer = {"blocks_hashed": hashed, "blocks_reused": reused}
+            answer = {
+                "blocks_hashed": hashed,
+                "blocks_reused": reused,
+                "blocks_rechecked": rechecked,
+            }
         else:
             tokens = self._validated_list(token_ids)
             prompt_tokens = len(tokens)
@@ -139,7 +187,11 @@ class EngineState:
                 }
             hit_tokens = self._python_hit_tokens(tokens)
             hit_blocks = hit_tokens // self.block_size
-            answer = {"blocks_hashed": prompt_tokens // self.block_size, "blocks_reused": 0}
+            answer = {
+                "blocks_hashed": prompt_tokens // self.block_size,
+                "blocks_reused": 0,
+                "blocks_rechecked": 0,
+            }
         answer.update(
             available=True,
             path=self.path,
@@ -195,12 +247,28 @@ class EngineState:
             raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
         return bool(self.native.forget(session_id)) if self.native is not None else False
 
+    # -- the utility methods' answers, timed ------------------------------------------------
+
+    def usage_answer(self, count_cached_free: Any = False) -> dict[str, Any]:
+        started = time.perf_counter_ns()
+        if not isinstance(count_cached_free, bool):
+            raise TypeError(
+                f"count_cached_free must be a bool, got {type(count_cached_free).__name__}"
+            )
+        return _timed(self.usage(count_cached_free), started)
+
+    def probe_answer(self, session_id: Any, token_ids: Any) -> dict[str, Any]:
+        started = time.perf_counter_ns()
+        answer = self.probe(session_id, token_ids)
+        answer.update(self.usage())
+        return _timed(answer, started)
+
 
 def _state(core: EngineCore) -> EngineState:
     state = core.__dict__.get(_STATE_ATTR)
     if state is None:
         native, error = _load_native()
-        state = EngineState(core, native, error)
+        state = EngineState.of_core(core, native, error)
         core.__dict__[_STATE_ATTR] = state
     return state
 
@@ -211,19 +279,17 @@ def _timed(answer: dict[str, Any], started_ns: int) -> dict[str, Any]:
     return answer
 
 
-def session_gate_usage(self: EngineCore) -> dict[str, Any]:
-    """KV usage exactly as ``BlockPool.get_usage()`` computes it, plus the counts behind it."""
-    started = time.perf_counter_ns()
-    return _timed(_state(self).usage(), started)
+def session_gate_usage(self: EngineCore, count_cached_free: bool = False) -> dict[str, Any]:
+    """KV usage exactly as ``BlockPool.get_usage()`` computes it, plus the counts behind it, in
+    O(1). ``count_cached_free=True`` also counts the free blocks that still hold a prefix
+    (``num_cached_free_blocks``, else ``None``): exact, but a visit of every block."""
+    return _state(self).usage_answer(count_cached_free)
 
 
 def session_gate_probe(self: EngineCore, session_id: Any, token_ids: Any) -> dict[str, Any]:
-    """Tokens of ``token_ids`` vLLM would report cached if scheduled now, with usage fields."""
-    started = time.perf_counter_ns()
-    state = _state(self)
-    answer = state.probe(session_id, token_ids)
-    answer.update(state.usage())
-    return _timed(answer, started)
+    """Tokens of ``token_ids`` vLLM would report cached if scheduled now, with the O(1) usage
+    fields."""
+    return _state(self).probe_answer(session_id, token_ids)
 
 
 def session_gate_forget(self: EngineCore, session_id: Any) -> bool:

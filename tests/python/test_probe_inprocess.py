@@ -1,0 +1,165 @@
+"""Probes against a real vLLM ``KVCacheManager`` in this process, driven by the scheduler's calls.
+
+No engine: block 16 (which the CPU backend cannot run) and exact control over evictions. Each
+probe's answer is compared with the ``num_cached_tokens`` vLLM reports when the same prompt is
+scheduled right after, and the incremental probe's witnesses are shown to notice every eviction,
+reuse and reset.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import pool_snapshot, random_prompt
+from session_gate.engine.inprocess import SchedulerDriver, engine_state, make_kv_cache_manager
+
+BLOCK = 16
+
+
+@pytest.fixture
+def cache():
+    kvm = make_kv_cache_manager(64, BLOCK)
+    return SchedulerDriver(kvm), engine_state(kvm, vocab_size=4096)
+
+
+def assert_matches_vllm(driver, state, session, tokens) -> dict:
+    """The probe's hit_tokens equals vLLM's num_cached_tokens for the same prompt right after."""
+    answer = state.probe_answer(session, tokens)
+    assert answer["available"] and answer["path"] == "native", answer
+    actual = driver.run(tokens)
+    assert answer["hit_tokens"] == actual, f"probe said {answer['hit_tokens']}, vLLM {actual}"
+    return answer
+
+
+def test_cold_warm_extended_diverged_prompts_match_vllm(cache):
+    driver, state = cache
+    rng = random.Random(3)
+    base = random_prompt(rng, 10 * BLOCK + 5)
+    assert assert_matches_vllm(driver, state, "a", base)["hit_tokens"] == 0
+    assert assert_matches_vllm(driver, state, "a", base)["hit_tokens"] == 10 * BLOCK
+    extended = base + random_prompt(rng, 3 * BLOCK + 7)
+    assert assert_matches_vllm(driver, state, "a", extended)["hit_tokens"] == 10 * BLOCK
+    diverged = extended[: 4 * BLOCK + 3] + [9] + extended[4 * BLOCK + 4 :]
+    assert assert_matches_vllm(driver, state, "a", diverged)["hit_tokens"] == 4 * BLOCK
+
+
+def test_a_resident_prefix_is_rechecked_without_lookups(cache):
+    driver, state = cache
+    prompt = random_prompt(random.Random(4), 20 * BLOCK)
+    driver.run(prompt)
+    first = state.probe_answer("s", prompt)
+    assert (first["hit_tokens"], first["blocks_rechecked"]) == (19 * BLOCK, 0)
+    again = state.probe_answer("s", prompt + [7] * BLOCK)
+    assert again["hit_tokens"] == 20 * BLOCK
+    # The 19 blocks the first probe found are re-checked by identity; block 19 was not looked
+    # up then (the last token is recomputed), so it is looked up now.
+    assert (again["blocks_rechecked"], again["blocks_hashed"]) == (19, 1)
+
+
+def test_an_incremental_probe_after_an_eviction_reports_the_eviction(cache):
+    driver, state = cache
+    rng = random.Random(5)
+    victim = random_prompt(rng, 24 * BLOCK + 1)
+    driver.run(victim)
+    assert state.probe_answer("victim", victim)["hit_tokens"] == 24 * BLOCK
+    assert state.probe_answer("victim", victim)["blocks_rechecked"] == 24
+    # Other sessions take the cache: the free queue hands out the victim's blocks (tail first:
+    # vLLM frees a request's blocks in reverse), evicting their hashes and caching new ones.
+    for _ in range(10):
+        driver.run(random_prompt(rng, 30 * BLOCK))
+        if state.probe_answer("victim", victim)["hit_tokens"] < 24 * BLOCK:
+            break
+    else:
+        pytest.fail("the victim was never evicted")
+    # The witnesses of the evicted (and reused) blocks no longer hold; the answer is vLLM's.
+    answer = assert_matches_vllm(driver, state, "victim", victim)
+    assert answer["hit_tokens"] < 24 * BLOCK
+    assert answer["blocks_rechecked"] <= answer["hit_blocks"]
+
+
+def test_random_traffic_never_fools_a_witness(cache):
+    """Many sessions growing and diverging on a small cache, every probe checked against vLLM."""
+    driver, state = cache
+    rng = random.Random(6)
+    prompts = {f"s{i}": random_prompt(rng, rng.randrange(1, 12) * BLOCK) for i in range(6)}
+    rechecked = 0
+    for step in range(150):
+        session = rng.choice(sorted(prompts))
+        tokens = prompts[session]
+        move = rng.random()
+        if move < 0.6:
+            tokens = tokens + random_prompt(rng, rng.randrange(1, 3 * BLOCK))
+        elif move < 0.7 and len(tokens) > BLOCK:
+            tokens = tokens[: rng.randrange(1, len(tokens))]
+        elif move < 0.8:
+            i = rng.randrange(len(tokens))
+            tokens = tokens[:i] + [(tokens[i] + 1) % 4096] + tokens[i + 1 :]
+        if len(tokens) > 40 * BLOCK:
+            tokens = random_prompt(rng, 3 * BLOCK)
+        prompts[session] = tokens
+        answer = assert_matches_vllm(driver, state, session, tokens)
+        rechecked += answer["blocks_rechecked"]
+        assert answer["blocks_rechecked"] <= answer["hit_blocks"], step
+    assert rechecked > 0, "the walk should have re-checked witnesses"
+
+
+def test_reset_prefix_cache_invalidates_every_witness(cache):
+    driver, state = cache
+    prompt = random_prompt(random.Random(7), 10 * BLOCK + 1)
+    driver.run(prompt)
+    assert state.probe_answer("s", prompt)["hit_tokens"] == 10 * BLOCK
+    assert driver.kv_cache_manager.reset_prefix_cache()
+    answer = state.probe_answer("s", prompt)
+    assert (answer["hit_tokens"], answer["blocks_rechecked"]) == (0, 0)
+    assert driver.run(prompt) == 0
+
+
+def test_probes_leave_the_block_pool_unchanged_with_a_request_running(cache):
+    driver, state = cache
+    rng = random.Random(8)
+    prompts = [random_prompt(rng, n) for n in (7 * BLOCK + 3, 12 * BLOCK, 5 * BLOCK + 9)]
+    driver.run(prompts[0])
+    running = driver.request(prompts[1])
+    driver.prefill(running)  # holds its blocks (ref_cnt 1) while we probe
+    before = pool_snapshot(driver.kv_cache_manager)
+    for i in range(200):
+        p = prompts[i % 3]
+        state.probe_answer(f"s{i % 5}", p[: len(p) - i % 4])
+        state.usage_answer(i % 2 == 0)
+    state.forget("s1")
+    assert pool_snapshot(driver.kv_cache_manager) == before
+    driver.free(running)
+
+
+def test_usage_is_o1_unless_the_cached_free_count_is_asked_for(cache):
+    driver, state = cache
+    driver.run(random_prompt(random.Random(9), 9 * BLOCK))
+    pool = driver.kv_cache_manager.block_pool
+    plain = state.usage_answer()
+    assert plain["num_cached_free_blocks"] is None
+    assert plain["kv_cache_usage"] == pool.get_usage()
+    counted = state.usage_answer(True)
+    expected = sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+    assert counted["num_cached_free_blocks"] == expected == 9
+    with pytest.raises(TypeError, match="count_cached_free"):
+        state.usage_answer("yes")
+
+
+def test_lookahead_hashes_make_the_probe_unavailable_not_wrong():
+    """vLLM 0.33+ with EAGLE block drop hashes each block with the next tokens: the probe cannot
+    compute those hashes, so it must say so (never answer a wrong ratio)."""
+    import inspect
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    if "num_hash_lookahead_tokens" not in inspect.signature(KVCacheManager).parameters:
+        pytest.skip("this vLLM has no lookahead block hashes (added in 0.33)")
+    kvm = make_kv_cache_manager(64, BLOCK, use_eagle=True, num_hash_lookahead_tokens=1)
+    driver, state = SchedulerDriver(kvm), engine_state(kvm, vocab_size=4096)
+    prompt = random_prompt(random.Random(10), 8 * BLOCK + 3)
+    driver.run(prompt)
+    assert driver.run(prompt) > 0, "vLLM itself hits with lookahead hashes"
+    answer = state.probe_answer("s", prompt)
+    assert answer["available"] is False
+    assert "num_hash_lookahead_tokens" in answer["reason"]
