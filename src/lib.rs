@@ -5,11 +5,15 @@
 //!   hash-chain cache behind the residency probes that run inside vLLM's engine core;
 //! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver.
 //!
+//! Beside the gate, [`baselines`] holds the controllers people deploy today (prime-rl's AIMD
+//! concurrency, ThunderAgent's pausing), sans-IO too, for the benchmark and the twin.
+//!
 //! Bindings live in their own folders: `python` (PyO3, behind the `python` feature) and `ffi`
 //! (every `extern "C"`). Nothing outside those folders knows about Python or C.
 #![warn(missing_docs, unreachable_pub)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod baselines;
 pub mod error;
 pub mod ffi;
 pub mod gate;
