@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_gate.bench.modes import Admission, Mode
+from session_gate.bench.modes import Admission, EpisodeCancelled, Mode
 from session_gate.bench.workloads import SessionSpec, Workload
 from session_gate.engine.launch import agenerate
 
@@ -35,6 +35,11 @@ class ModeResult:
     makespan_sec: float
     records: list[TurnRecord] = field(default_factory=list)
     gate_stats: dict[str, Any] = field(default_factory=dict)
+    # Work thrown away by cancelled episodes (aimd): their completed turns, and the tokens those
+    # turns prefilled and generated; the episodes re-ran from their first turn.
+    lost_turns: int = 0
+    lost_tokens: int = 0
+    cancellations: int = 0
 
     def summary(self) -> dict[str, Any]:
         prompt = sum(r.prompt_tokens for r in self.records)
@@ -47,6 +52,10 @@ class ModeResult:
         for r in self.records:
             reasons[r.reason] = reasons.get(r.reason, 0) + 1
         stats = self.gate_stats
+        # Late turns: the second half of the turn indices, where contexts are longest and
+        # re-prefill hurts most.
+        half = (max(by_turn, default=0) + 1) // 2
+        late = [r.latency_sec for r in self.records if r.turn >= half]
         return {
             "mode": self.mode,
             "workload": self.workload,
@@ -63,8 +72,12 @@ class ModeResult:
             },
             "admissions_by_reason": reasons,
             "total_wait_sec": sum(r.wait_sec for r in self.records),
+            "late_turn_p90_sec": _pct(late, 90) if late else 0.0,
             "revocations": stats.get("revocations", 0),
             "preemptions": stats.get("preemptions", 0),
+            "cancellations": self.cancellations,
+            "lost_turns": self.lost_turns,
+            "lost_tokens": self.lost_tokens,
         }
 
 
@@ -81,12 +94,17 @@ def _ideal_cached(prev_sequence: int, prompt: int, block: int) -> int:
 
 
 async def run_mode(
-    llm: Any, workload: Workload, mode: Mode, probe: Any, progress: Any = None
+    llm: Any,
+    workload: Workload,
+    mode: Mode,
+    probe: Any,
+    progress: Any = None,
+    knobs: dict[str, Any] | None = None,
 ) -> ModeResult:
     """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
-    reset first so every mode starts cold."""
+    reset first so every mode starts cold. ``knobs`` override a baseline's defaults."""
     await llm.reset_prefix_cache()
-    admission = Admission(mode, probe)
+    admission = Admission(mode, probe, llm, workload, knobs)
     block = workload.engine.block_size
     rng = random.Random(workload.seed)
     system = [
@@ -94,8 +112,28 @@ async def run_mode(
     ]
     records: list[TurnRecord] = []
     system_seen = [False]
+    lost = {"turns": 0, "tokens": 0, "cancellations": 0}
 
     async def run_session(index: int, spec: SessionSpec) -> None:
+        attempt = 0
+        while True:
+            kept: list[TurnRecord] = []
+            try:
+                await run_attempt(spec, attempt, kept)
+            except EpisodeCancelled:
+                # Re-run from the first turn; what the cancelled attempt did is lost work.
+                lost["cancellations"] += 1
+                lost["turns"] += len(kept)
+                lost["tokens"] += sum(
+                    r.prompt_tokens - r.cached_tokens + spec.turns[r.turn].output for r in kept
+                )
+                attempt += 1
+                continue
+            records.extend(kept)
+            return
+
+    async def run_attempt(spec: SessionSpec, attempt: int, kept: list[TurnRecord]) -> None:
+        # The same token contents on every attempt: a re-run can hit what is still cached.
         srng = random.Random(f"{workload.seed}:{spec.session_id}")
         history = system[: spec.system_tokens] + [
             srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
@@ -113,9 +151,9 @@ async def run_mode(
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
                     output, cached = await agenerate(
-                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}"
+                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}.{attempt}"
                     )
-                records.append(
+                kept.append(
                     TurnRecord(
                         spec.session_id,
                         t,
@@ -134,7 +172,17 @@ async def run_mode(
                 await asyncio.sleep(turn.tool_latency)
 
     started = time.perf_counter()
-    await asyncio.gather(*(run_session(i, s) for i, s in enumerate(workload.sessions)))
+    try:
+        await asyncio.gather(*(run_session(i, s) for i, s in enumerate(workload.sessions)))
+    finally:
+        await admission.close()
     return ModeResult(
-        mode.name, workload.name, time.perf_counter() - started, records, admission.stats()
+        mode.name,
+        workload.name,
+        time.perf_counter() - started,
+        records,
+        admission.stats(),
+        lost_turns=lost["turns"],
+        lost_tokens=lost["tokens"],
+        cancellations=lost["cancellations"],
     )
