@@ -8,7 +8,7 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy clean
+.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy sim sim-fidelity bench-sim clean
 
 setup:
 	bash scripts/setup.sh
@@ -78,6 +78,23 @@ bench-gate: setup
 # `session-gate proxy` in one run; the last line is JSON (p50/p99 of both and the difference).
 bench-proxy: setup
 	$(PY) -m session_gate.bench_proxy
+
+# The replica twin's GPU projection (SIMULATED): the agentic RL workloads on one H200 with two
+# models, every mode: the twin's speed first, then table + JSON + PNG; last line JSON.
+SIM_MODES := none,cap4,cap8,cap16,cap32,cap64,seed,gate
+sim: setup
+	$(PY) -m session_gate.sim.speed
+	$(PY) -m session_gate.sim --workload rl-rollout rl-async \
+		--profile h200-qwen2.5-7b h200-qwen2.5-32b --modes $(SIM_MODES) \
+		--out sim-results.json --plot sim-results.png
+
+# The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
+sim-fidelity: setup
+	$(PY) -m session_gate.sim.fidelity
+
+# The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
+bench-sim: setup
+	$(PY) -m session_gate.sim.speed
 
 clean:
 	cargo clean

@@ -141,6 +141,13 @@ impl PyGateConfig {
     }
 }
 
+impl PyGateConfig {
+    /// The Rust knobs, for other bindings that run a gate core (the twin).
+    pub(crate) fn inner(&self) -> &gate::GateConfig {
+        &self.inner
+    }
+}
+
 /// Action: call the probe's `usage()`, then `GateCore.on_usage` (or `on_usage_unavailable`).
 #[pyclass(module = "session_gate._native", frozen)]
 pub(crate) struct ProbeUsage;
@@ -496,7 +503,7 @@ impl PyGateCore {
     }
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: &GateStats) -> PyResult<Bound<'py, PyDict>> {
+pub(super) fn stats_dict<'py>(py: Python<'py>, s: &GateStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let admissions = PyDict::new(py);
     for r in Reason::ALL {

@@ -12,6 +12,7 @@ mod engine;
 mod errors;
 mod gate;
 mod guard;
+mod sim;
 mod tokens;
 
 /// `session_gate._native`: the engine-side probe and the gate core.
@@ -21,5 +22,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     gate::register(m)?;
     baselines::register(m)?;
+    sim::register(m)?;
     Ok(())
 }

@@ -48,3 +48,54 @@ def test_modes_parse_and_refuse_unknown_names():
     for bad in ("cap0", "capx", "fast"):
         with pytest.raises(ValueError, match="unknown mode"):
             Mode.parse(bad)
+
+
+def _trace(tmp_path, *rows):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+GOOD = (
+    '{"session_id": "a", "system_tokens": 8, "task_tokens": 16, "arrival": 2.5, '
+    '"turns": [{"append": 0, "output": 4, "tool_latency": 0.5}]}'
+)
+
+
+def test_a_trace_may_give_arrivals(tmp_path):
+    trace = workloads.load_trace(_trace(tmp_path, GOOD, GOOD.replace(', "arrival": 2.5', "")))
+    assert [s.arrival for s in trace.sessions] == [2.5, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('"arrival": 2.5', '"arrival": -1', r"t.jsonl:2: session 'a': field 'arrival': -1"),
+        ('"arrival": 2.5', '"arrival": "soon"', r"t.jsonl:2: session 'a': field 'arrival'"),
+        ('"output": 4', '"output": 0', r"t.jsonl:2: session 'a': turns\[0\]: field 'output'"),
+        ('"append": 0', '"append": 3', r"turns\[0\]: field 'append': 3: the first turn"),
+        ('"task_tokens": 16, ', "", r"t.jsonl:2: session 'a': missing field 'task_tokens'"),
+        ('"tool_latency": 0.5', '"tool_latency": true', r"field 'tool_latency': expected"),
+        ('"session_id": "a"', '"session_id": 7', r"t.jsonl:2: field 'session_id': expected str"),
+        ("{", "[", r"t.jsonl:2: not JSON"),
+    ],
+)
+def test_bad_trace_fields_are_named_with_file_and_line(tmp_path, old, new, message):
+    path = _trace(tmp_path, GOOD, GOOD.replace(old, new, 1))
+    with pytest.raises(ValueError, match=message):
+        workloads.load_trace(path)
+
+
+def test_scale_workloads_are_agentic_rollouts_for_the_twin():
+    w = workloads.SCALE_WORKLOADS["rl-rollout"](0)
+    assert w.profile_shape and len(w.sessions) == 256
+    assert {len(s.turns) for s in w.sessions} <= set(range(20, 51))
+    final = sorted(
+        s.system_tokens + s.task_tokens + sum(t.append + t.output for t in s.turns)
+        for s in w.sessions
+    )
+    assert final[len(final) // 2] > 32_768
+    latencies = sorted(t.tool_latency for s in w.sessions for t in s.turns)
+    assert 1.0 < latencies[len(latencies) // 2] < 5.0 and latencies[-1] > 10.0
+    arrivals = [s.arrival for s in workloads.SCALE_WORKLOADS["rl-async"](0).sessions]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 300

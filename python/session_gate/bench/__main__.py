@@ -118,15 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     report.plot(by_workload, args.plot)
     print(f"targets: {json.dumps(targets, indent=2)}")
     print(f"wrote {args.out} and {args.plot} ({machine})")
-    figures = {
-        w: {
-            s["mode"]: {
-                k: s[k] for k in ("hit_rate", "prefill_tokens", "recompute_ratio", "makespan_sec")
-            }
-            for s in summaries
-        }
-        for w, summaries in by_workload.items()
-    }
+    figures = report.figures(by_workload)
     print(json.dumps({"figures": figures, "targets": targets}, sort_keys=True))
 
 

@@ -1,4 +1,6 @@
-"""Tables, the JSON results file, the plot, and the targets of the thrash benchmark."""
+"""Tables, the JSON results file, the plot, and the targets of the thrash benchmark — one
+report for real runs (``engine: "vllm-cpu"``) and the replica twin's (``"twin:<profile>"``),
+whose tables and plots always say "simulated"."""
 
 from __future__ import annotations
 
@@ -28,11 +30,23 @@ HEADERS = (
 )
 
 
+def is_simulated(summary: dict[str, Any]) -> bool:
+    return str(summary.get("engine", "vllm-cpu")).startswith("twin:")
+
+
+def engine_label(summaries: list[dict[str, Any]]) -> str:
+    """E.g. ``"vllm-cpu (measured)"`` or ``"twin:h200-qwen2.5-7b (SIMULATED)"``."""
+    engines = sorted({str(s.get("engine", "vllm-cpu")) for s in summaries})
+    return ", ".join(
+        f"{e} (SIMULATED)" if e.startswith("twin:") else f"{e} (measured)" for e in engines
+    )
+
+
 def table(summaries: list[dict[str, Any]]) -> str:
     cells = [[fmt.format(s[key]) for key, fmt in COLUMNS] for s in summaries]
     widths = [max([len(h)] + [len(row[c]) for row in cells]) for c, h in enumerate(HEADERS)]
     head = " ".join(h.rjust(w) for h, w in zip(HEADERS, widths, strict=True))
-    lines = [head, "-" * len(head)]
+    lines = [f"engine: {engine_label(summaries)}", head, "-" * len(head)]
     for s, row in zip(summaries, cells, strict=True):
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["admissions_by_reason"].items()))
         lines.append(
@@ -44,7 +58,8 @@ def table(summaries: list[dict[str, Any]]) -> str:
 def turn_latency_table(summaries: list[dict[str, Any]]) -> str:
     turns = sorted({t for s in summaries for t in s["latency_by_turn"]})
     head = "turn  " + " ".join(f"{s['mode']:>13}" for s in summaries)
-    lines = ["latency by turn index, p50 / p90 seconds", head]
+    title = f"latency by turn index, p50 / p90 seconds; engine: {engine_label(summaries)}"
+    lines = [title, head]
     for t in turns:
         cells = []
         for s in summaries:
@@ -90,6 +105,15 @@ def targets(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def figures(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The headline figures per workload and mode, for a results file's last JSON line."""
+    keys = ("engine", "hit_rate", "prefill_tokens", "recompute_ratio", "makespan_sec")
+    return {
+        w: {s["mode"]: {k: s[k] for k in keys if k in s} for s in summaries}
+        for w, summaries in by_workload.items()
+    }
+
+
 def plot(by_workload: dict[str, list[dict[str, Any]]], path: str) -> None:
     import matplotlib
 
@@ -98,8 +122,13 @@ def plot(by_workload: dict[str, list[dict[str, Any]]], path: str) -> None:
 
     rows = len(by_workload)
     fig, axes = plt.subplots(rows, 3, figsize=(16, 4.2 * rows), squeeze=False)
-    for row, (workload, summaries) in enumerate(by_workload.items()):
+    simulated = False
+    for row, (name, summaries) in enumerate(by_workload.items()):
         lat, hit, span = axes[row]
+        workload = name
+        if any(is_simulated(s) for s in summaries):
+            simulated = True
+            workload = f"{name} [SIMULATED, {engine_label(summaries)}]"
         for s in summaries:
             turns = sorted(s["latency_by_turn"])
             lat.plot(
@@ -119,6 +148,11 @@ def plot(by_workload: dict[str, list[dict[str, Any]]], path: str) -> None:
         span.set_title(f"{workload}: makespan (s)")
         for ax in (hit, span):
             ax.tick_params(axis="x", rotation=45)
+    if simulated:
+        fig.suptitle(
+            "SIMULATED by the replica twin (session_gate.sim), not measured on the hardware named",
+            color="tab:red",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

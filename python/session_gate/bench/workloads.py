@@ -11,14 +11,23 @@ Trace files (``--trace FILE``) are JSONL, one session per line::
 ``system_tokens`` is a prefix of one system prompt shared by every session; ``append`` is the
 number of tool-result tokens added to the history before the turn (0 on the first turn);
 ``output`` the turn's ``max_tokens``; ``tool_latency`` the seconds the tool runs after the turn.
+An optional ``arrival`` (seconds after the start, default 0) delays the session's first turn.
+Errors name the file, the line and the field.
+
+The same definitions feed the real CPU bench and the replica twin (``python -m
+session_gate.sim``). The *scale* workloads (:data:`SCALE_WORKLOADS`) model agentic RL rollouts on
+one GPU replica; they are far too large for the CPU engine, so only the twin runs them, on the
+replica shape of the profile it is given (``Workload.profile_shape``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,7 @@ class SessionSpec:
     system_tokens: int
     task_tokens: int
     turns: tuple[Turn, ...]
+    arrival: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,8 @@ class Workload:
     sessions: tuple[SessionSpec, ...]
     engine: EngineShape = field(default_factory=EngineShape)
     seed: int = 0
+    #: The twin sizes its replica from the profile instead of ``engine`` (scale workloads).
+    profile_shape: bool = False
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -63,10 +75,15 @@ class Workload:
     def describe(self) -> str:
         turns = sum(len(s.turns) for s in self.sessions)
         e = self.engine
+        cache = (
+            "replica shape from the profile"
+            if self.profile_shape
+            else f"KV cache {e.num_blocks} blocks x {e.block_size} tokens "
+            f"({e.num_blocks * e.block_size:,} tokens)"
+        )
         return (
             f"{self.name}: {len(self.sessions)} sessions, {turns} turns, longest prompt "
-            f"{self.max_prompt_tokens:,} tokens; KV cache {e.num_blocks} blocks x "
-            f"{e.block_size} tokens ({e.num_blocks * e.block_size:,} tokens)"
+            f"{self.max_prompt_tokens:,} tokens; {cache}"
         )
 
 
@@ -115,28 +132,85 @@ def mixed_workload(seed: int = 0) -> Workload:
 
 
 def load_trace(path: str | Path, engine: EngineShape | None = None, seed: int = 0) -> Workload:
-    """Read a JSONL trace (format in this module's docstring); errors name the line."""
+    """Read a JSONL trace (format in this module's docstring); errors name the file, the line
+    and the field."""
     sessions = []
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            turns = tuple(
-                Turn(int(t["append"]), int(t["output"]), float(t["tool_latency"]))
-                for t in row["turns"]
-            )
-            spec = SessionSpec(
-                str(row["session_id"]), int(row["system_tokens"]), int(row["task_tokens"]), turns
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{lineno}: bad session record: {exc!r}") from exc
-        if not spec.turns or spec.turns[0].append != 0:
-            raise ValueError(f"{path}:{lineno}: a session needs turns, the first with append 0")
-        sessions.append(spec)
+        if line.strip():
+            sessions.append(_session_from_json(line, f"{path}:{lineno}"))
     if not sessions:
         raise ValueError(f"{path}: no sessions")
     return Workload(f"trace:{Path(path).name}", tuple(sessions), engine or EngineShape(), seed)
+
+
+def _session_from_json(line: str, where: str) -> SessionSpec:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON: {exc}") from exc
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    session_id = _field(row, "session_id", str, where)
+    where = f"{where}: session {session_id!r}"
+    raw_turns = _field(row, "turns", list, where)
+    if not raw_turns:
+        raise ValueError(f"{where}: field 'turns': a session needs at least one turn")
+    turns = []
+    for i, t in enumerate(raw_turns):
+        at = f"{where}: turns[{i}]"
+        if not isinstance(t, dict):
+            raise ValueError(f"{at}: expected a JSON object, got {type(t).__name__}")
+        turns.append(
+            Turn(
+                _field(t, "append", int, at, minimum=0, maximum=0 if i == 0 else None),
+                _field(t, "output", int, at, minimum=1),
+                _field(t, "tool_latency", float, at, minimum=0),
+            )
+        )
+    return SessionSpec(
+        session_id,
+        _field(row, "system_tokens", int, where, minimum=0),
+        _field(row, "task_tokens", int, where, minimum=0),
+        tuple(turns),
+        _field(row, "arrival", float, where, minimum=0, default=0.0),
+    )
+
+
+_MISSING: Any = object()
+
+
+def _field(
+    row: dict[str, Any],
+    name: str,
+    kind: type,
+    where: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    default: Any = _MISSING,
+) -> Any:
+    """``row[name]`` checked to be a ``kind`` (ints accepted as floats) within bounds."""
+    if name not in row:
+        if default is not _MISSING:
+            return default
+        raise ValueError(f"{where}: missing field {name!r}")
+    value = row[name]
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if kind is float and ok and not math.isfinite(value):
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{where}: field {name!r}: expected {'a number' if kind is float else kind.__name__}"
+            f", got {value!r}"
+        )
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{where}: field {name!r}: {value!r} is below {minimum}")
+    if maximum is not None and value > maximum:
+        what = "the first turn's append must be 0" if name == "append" else f"above {maximum}"
+        raise ValueError(f"{where}: field {name!r}: {value!r}: {what}")
+    return value
 
 
 def dump_trace(workload: Workload, path: str | Path) -> None:
@@ -148,4 +222,64 @@ def dump_trace(workload: Workload, path: str | Path) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, rng.lognormvariate(math.log(median), sigma)))
+
+
+def rl_rollout_workload(
+    seed: int = 0,
+    *,
+    sessions: int = 256,
+    turns: tuple[int, int] = (20, 50),
+    name: str = "rl-rollout",
+    arrivals_per_sec: float | None = None,
+) -> Workload:
+    """One synchronous agentic RL rollout step on one GPU replica: 256 trajectories start
+    together, each 20-50 turns (uniform) of a tool-using agent.
+
+    Each turn the model writes 100-600 tokens (reasoning plus a tool call; uniform) and the tool
+    returns a heavy-tailed result: log-normal tokens (median 500, sigma 0.8, 20-8,000) after a
+    log-normal latency (median 2 s, sigma 0.7, 0.2-60 s: most calls take 1-5 s, a few far
+    longer). A 2,048-token system prompt is shared; each task adds 1,000 tokens. Contexts grow
+    to ~39K tokens on average (past 32K for most trajectories, the longest ~60K), so the live
+    sessions' contexts are several times one H200's KV cache. With ``arrivals_per_sec`` the
+    trajectories arrive as a Poisson stream instead (an asynchronous RL pipeline)."""
+    rng = random.Random(f"{name}:{seed}")
+    out = []
+    clock = 0.0
+    for i in range(sessions):
+        n = rng.randint(*turns)
+        spec_turns = tuple(
+            Turn(
+                append=0 if t == 0 else round(_lognormal(rng, 500, 0.8, 20, 8000)),
+                output=rng.randint(100, 600),
+                tool_latency=round(_lognormal(rng, 2.0, 0.7, 0.2, 60.0), 3),
+            )
+            for t in range(n)
+        )
+        arrival = 0.0
+        if arrivals_per_sec:
+            arrival = round(clock, 3)
+            clock += rng.expovariate(arrivals_per_sec)
+        out.append(SessionSpec(f"traj{i}", 2048, 1000, spec_turns, arrival))
+    return Workload(name, tuple(out), seed=seed, profile_shape=True)
+
+
+def rl_async_workload(seed: int = 0) -> Workload:
+    """An asynchronous RL pipeline: 512 trajectories of 10-40 turns arriving as a Poisson
+    stream at 1 per second (~8.5 minutes of arrivals), otherwise as ``rl-rollout``: the load
+    builds up, peaks and drains, so the right number of concurrent sessions changes over the
+    run."""
+    return rl_rollout_workload(
+        seed, sessions=512, turns=(10, 40), name="rl-async", arrivals_per_sec=1.0
+    )
+
+
+def speed_workload(seed: int = 0) -> Workload:
+    """The twin's speed case: 1,000 trajectories x 30 turns shaped like ``rl-rollout``."""
+    return rl_rollout_workload(seed, sessions=1000, turns=(30, 30), name="speed-1000x30")
+
+
 WORKLOADS = {"default": default_workload, "mixed": mixed_workload}
+#: Workloads only the twin runs (on the profile's replica shape); see the module docstring.
+SCALE_WORKLOADS = {"rl-rollout": rl_rollout_workload, "rl-async": rl_async_workload}

@@ -1,0 +1,81 @@
+"""``python -m session_gate.sim``: run workloads on the replica twin in every mode and print
+the bench's tables (labelled simulated); write the bench's JSON schema and a PNG; the last line
+is JSON. ``python -m session_gate.sim tune ...`` sweeps the gate's knobs (see its ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from session_gate.bench import report
+from session_gate.sim import cli
+from session_gate.sim.twin import profile_label, run_twin
+
+DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m session_gate.sim", description=__doc__)
+    cli.add_common(p, modes=DEFAULT_MODES)
+    p.add_argument("--out", default="sim-results.json")
+    p.add_argument("--plot", default="sim-results.png")
+    args = p.parse_args(argv)
+    args.mode_list = cli.modes_of(p, args.modes)
+    try:
+        args.knobs = cli.knobs_of(args)
+        from session_gate import _native
+
+        _native.GateConfig(**args.knobs)
+        args.workloads = cli.workloads_of(args)
+    except (ValueError, TypeError, OSError) as exc:
+        p.error(str(exc))
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for workload in args.workloads:
+        for profile in args.profile:
+            key = f"{workload.name} @ {profile_label(profile)}"
+            print(f"{workload.describe()}; profile {profile} (SIMULATED)", flush=True)
+            summaries = [
+                run_twin(workload, mode, profile, args.knobs, cli.shape_of(args)).summary()
+                for mode in args.mode_list
+            ]
+            by_workload[key] = summaries
+            print("\n" + report.table(summaries))
+            print("\n" + report.turn_latency_table(summaries) + "\n", flush=True)
+    return by_workload
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "tune":
+        from session_gate.sim import tune
+
+        tune.main(argv[1:])
+        return
+    args = parse_args(argv)
+    by_workload = run(args)
+    targets = report.targets(by_workload)
+    results = {
+        "engine": "twin (SIMULATED)",
+        "profiles": args.profile,
+        "knobs": args.knobs,
+        "seed": args.seed,
+        "workloads": by_workload,
+        "targets": targets,
+    }
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    report.plot(by_workload, args.plot)
+    print(f"wrote {args.out} and {args.plot} (SIMULATED)")
+    figures = report.figures(by_workload)
+    print(json.dumps({"simulated": True, "figures": figures, "targets": targets}))
+
+
+if __name__ == "__main__":
+    main()

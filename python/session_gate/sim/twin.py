@@ -1,0 +1,123 @@
+"""One mode of one workload on the twin: hand the session specs to the native simulation,
+then build the bench's own ``ModeResult`` from its records, so the bench's ``summary()`` and
+report serve simulated runs unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from session_gate.bench.modes import Mode
+from session_gate.bench.runner import ModeResult, TurnRecord, ideal_cached
+from session_gate.bench.workloads import Workload
+
+SHAPE_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+
+
+def profile_args(profile: str) -> dict[str, str]:
+    """``simulate`` keyword arguments for a built-in profile name or a profile TOML file."""
+    from session_gate import _native
+
+    if profile in _native.sim_profile_names():
+        return {"profile": profile}
+    path = Path(profile)
+    if path.is_file():
+        return {"profile_path": str(path), "profile_text": path.read_text()}
+    names = ", ".join(_native.sim_profile_names())
+    raise ValueError(f"unknown profile {profile!r}: expected one of {names}, or a TOML file")
+
+
+def profile_label(profile: str) -> str:
+    """The name a profile goes by in results: a built-in name, or the TOML file's stem."""
+    return Path(profile).stem if profile.endswith(".toml") else profile
+
+
+def native_sessions(workload: Workload) -> list[tuple[Any, ...]]:
+    return [
+        (
+            s.session_id,
+            s.system_tokens,
+            s.task_tokens,
+            s.arrival,
+            [(t.append, t.output, t.tool_latency) for t in s.turns],
+        )
+        for s in workload.sessions
+    ]
+
+
+def replica_shape(workload: Workload, overrides: dict[str, int] | None = None) -> dict[str, int]:
+    """The replica's shape: the workload's engine for the CPU-sized workloads (so the twin
+    models the engine the real bench starts), the profile's for scale workloads; then any
+    explicit overrides."""
+    shape: dict[str, int] = {}
+    if not workload.profile_shape:
+        e = workload.engine
+        shape = {f: getattr(e, f) for f in SHAPE_FIELDS}
+    shape.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return shape
+
+
+def run_twin(
+    workload: Workload,
+    mode: Mode,
+    profile: str,
+    knobs: dict[str, Any] | None = None,
+    shape: dict[str, int] | None = None,
+) -> ModeResult:
+    """Simulate ``workload`` in ``mode`` on ``profile`` with the gate ``knobs`` (ignored by
+    modes without a gate); the result says ``engine="twin:<profile>"``."""
+    from session_gate import _native
+
+    config = _native.GateConfig(**(knobs or {})) if mode.kind in ("seed", "gate") else None
+    out = _native.simulate(
+        native_sessions(workload),
+        mode.kind,
+        cap=mode.cap,
+        config=config,
+        seed=workload.seed,
+        **profile_args(profile),
+        **replica_shape(workload, shape),
+    )
+    records = _records(workload, out["records"], out["profile"]["block_size"])
+    stats = dict(out["replica_stats"])
+    stats["wall_sec"] = out["wall_sec"]
+    stats["shape"] = {f: out["profile"][f] for f in SHAPE_FIELDS}
+    return ModeResult(
+        mode.name,
+        workload.name,
+        out["makespan_sec"],
+        records,
+        out["gate_stats"] or {},
+        engine=f"twin:{profile_label(profile)}",
+        replica_stats=stats,
+    )
+
+
+def _records(workload: Workload, cols: dict[str, list[Any]], block: int) -> list[TurnRecord]:
+    """The bench's records from the native columns, with the ideal hit computed by the bench's
+    own rule: the first session to send a first turn prefills the system prompt."""
+    n = len(cols["session"])
+    order = sorted(range(n), key=lambda i: (cols["session"][i], cols["turn"][i]))
+    first_turns = [i for i in range(n) if cols["turn"][i] == 0]
+    first = min(first_turns, key=lambda i: (cols["ready_at"][i], cols["session"][i]), default=-1)
+    records = []
+    prev_sequence: dict[int, int] = {}
+    for i in order:
+        spec = workload.sessions[cols["session"][i]]
+        turn, prompt = cols["turn"][i], cols["prompt_tokens"][i]
+        prev = prev_sequence.get(cols["session"][i], 0) if turn else 0
+        ideal = ideal_cached(prev, prompt, block, spec.system_tokens, i != first)
+        prev_sequence[cols["session"][i]] = prompt + spec.turns[turn].output
+        records.append(
+            TurnRecord(
+                spec.session_id,
+                turn,
+                prompt,
+                cols["cached_tokens"][i],
+                ideal,
+                cols["latency_sec"][i],
+                cols["wait_sec"][i],
+                cols["reason"][i],
+            )
+        )
+    return records

@@ -1,0 +1,188 @@
+//! The replica twin for Python: `simulate(...)` runs one mode of a workload on a profile and
+//! returns its per-turn records and counters. One call is the whole simulation; the GIL is
+//! released while it runs.
+use std::time::Instant;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::gate::{PyGateConfig, stats_dict};
+use super::guard::no_panic;
+use crate::error::Error;
+use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate as run};
+use crate::sim::{CostModel, Replica, ReplicaConfig, ReplicaStats};
+
+/// A session as Python passes it: `(session_id, system_tokens, task_tokens, arrival, turns)`,
+/// each turn `(append, output, tool_latency)`.
+type SessionTuple = (String, u32, u32, f64, Vec<(u32, u32, f64)>);
+
+fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
+    let mut out = Vec::new();
+    let iter = sessions
+        .try_iter()
+        .map_err(|e| Error::InvalidInput(format!("sessions: not iterable: {e}")))?;
+    for (i, item) in iter.enumerate() {
+        let item = item.map_err(|e| Error::InvalidInput(format!("sessions[{i}]: {e}")))?;
+        let (session_id, system_tokens, task_tokens, arrival, turns) =
+            item.extract::<SessionTuple>().map_err(|e| {
+                Error::InvalidInput(format!(
+                    "sessions[{i}]: expected (session_id, system_tokens, task_tokens, arrival, \
+                     [(append, output, tool_latency), ...]): {e}"
+                ))
+            })?;
+        out.push(SessionSpec {
+            session_id,
+            system_tokens,
+            task_tokens,
+            arrival,
+            turns: turns
+                .into_iter()
+                .map(|(append, output, tool_latency)| TurnSpec {
+                    append,
+                    output,
+                    tool_latency,
+                })
+                .collect(),
+        });
+    }
+    Ok(out)
+}
+
+/// Runs one mode of a workload on the twin.
+///
+/// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
+/// `seed` forces `pressure="engine"`). The cost model is the built-in `profile`, or the TOML
+/// `profile_text` read from `profile_path`. The replica has the profile's shape unless a shape
+/// field is given. `seed` seeds token identity. Returns a dict: `records` (columns: `session`,
+/// `turn`, `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
+/// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None), `replica_stats`,
+/// `profile` (name, description, shape used) and `wall_sec`.
+#[pyfunction]
+#[pyo3(signature = (
+    sessions,
+    mode,
+    *,
+    cap=0,
+    config=None,
+    profile=None,
+    profile_path=None,
+    profile_text=None,
+    num_blocks=None,
+    block_size=None,
+    max_num_seqs=None,
+    max_num_batched_tokens=None,
+    seed=0,
+))]
+#[allow(clippy::too_many_arguments)]
+fn simulate<'py>(
+    py: Python<'py>,
+    sessions: &Bound<'py, PyAny>,
+    mode: &str,
+    cap: u32,
+    config: Option<PyRef<'py, PyGateConfig>>,
+    profile: Option<&str>,
+    profile_path: Option<&str>,
+    profile_text: Option<&str>,
+    num_blocks: Option<u32>,
+    block_size: Option<u32>,
+    max_num_seqs: Option<u32>,
+    max_num_batched_tokens: Option<u32>,
+    seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    no_panic("simulate", || {
+        let specs = read_sessions(sessions)?;
+        let gate_config = config.map(|c| c.inner().clone()).unwrap_or_default();
+        let spec = ModeSpec::from_kind(mode, cap, gate_config)?;
+        let cost = match (profile, profile_text) {
+            (Some(name), None) => CostModel::profile(name)?,
+            (None, Some(text)) => CostModel::from_toml(profile_path.unwrap_or("<profile>"), text)?,
+            _ => {
+                return Err(Error::InvalidInput(
+                    "give exactly one of profile= (a built-in name) or profile_text=".into(),
+                )
+                .into());
+            }
+        };
+        let d = ReplicaConfig::from_profile(&cost);
+        let shape = ReplicaConfig {
+            num_blocks: num_blocks.unwrap_or(d.num_blocks),
+            block_size: block_size.unwrap_or(d.block_size),
+            max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
+            max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+        };
+        let (name, description) = (cost.name.clone(), cost.description.clone());
+        let n = specs.len();
+        let (out, wall) = py.detach(|| {
+            let started = Instant::now();
+            let out = Replica::new(shape, cost).and_then(|replica| {
+                let mut m = spec.build(n)?;
+                run(specs, seed, replica, m.as_mut())
+            });
+            (out, started.elapsed().as_secs_f64())
+        });
+        let out = out?;
+        let result = output_dict(py, &out)?;
+        let p = PyDict::new(py);
+        p.set_item("name", name)?;
+        p.set_item("description", description)?;
+        p.set_item("num_blocks", shape.num_blocks)?;
+        p.set_item("block_size", shape.block_size)?;
+        p.set_item("max_num_seqs", shape.max_num_seqs)?;
+        p.set_item("max_num_batched_tokens", shape.max_num_batched_tokens)?;
+        result.set_item("profile", p)?;
+        result.set_item("wall_sec", wall)?;
+        Ok(result)
+    })
+}
+
+fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyDict>> {
+    let r = &out.records;
+    let columns = PyDict::new(py);
+    macro_rules! column {
+        ($name:literal, $field:ident) => {
+            columns.set_item($name, PyList::new(py, r.iter().map(|x| x.$field))?)?;
+        };
+    }
+    column!("session", session);
+    column!("turn", turn);
+    column!("prompt_tokens", prompt_tokens);
+    column!("cached_tokens", cached_tokens);
+    column!("latency_sec", latency_sec);
+    column!("wait_sec", wait_sec);
+    column!("reason", reason);
+    column!("ready_at", ready_at);
+    column!("finished_at", finished_at);
+    column!("engine_preemptions", engine_preemptions);
+    let d = PyDict::new(py);
+    d.set_item("records", columns)?;
+    d.set_item("makespan_sec", out.makespan_sec)?;
+    match &out.gate_stats {
+        Some(s) => d.set_item("gate_stats", stats_dict(py, s)?)?,
+        None => d.set_item("gate_stats", py.None())?,
+    }
+    d.set_item("replica_stats", replica_dict(py, &out.replica_stats)?)?;
+    Ok(d)
+}
+
+fn replica_dict<'py>(py: Python<'py>, s: &ReplicaStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("steps", s.steps)?;
+    d.set_item("busy_sec", s.busy_sec)?;
+    d.set_item("preemptions", s.preemptions)?;
+    d.set_item("scheduled_tokens", s.scheduled_tokens)?;
+    d.set_item("prefill_tokens", s.prefill_tokens)?;
+    d.set_item("finished", s.finished)?;
+    Ok(d)
+}
+
+/// The built-in profile names.
+#[pyfunction]
+fn sim_profile_names() -> Vec<&'static str> {
+    CostModel::profile_names().to_vec()
+}
+
+pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
+    Ok(())
+}

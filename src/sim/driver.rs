@@ -1,0 +1,325 @@
+//! Clients in virtual time: a discrete-event loop that replays a workload's sessions against
+//! one [`Replica`] through a [`Mode`] (no gate, a session cap, or the real gate core).
+//!
+//! The loop owns the only clock. Each session arrives at its `arrival`, sends a turn (prompt =
+//! its history, exactly `max_tokens` of output), waits for the whole answer, runs its tool for
+//! `tool_latency` seconds, appends the tool result and sends the next turn; after its last turn
+//! and tool call it ends. The replica runs one engine step at a time: a step is scheduled from
+//! the replica's state when it starts, and its outcome (finished and preempted requests) lands
+//! when it ends, `duration_sec` later; requests submitted meanwhile wait for the next step, as
+//! in vLLM's busy loop. Between steps, everything that happens at one instant is settled before
+//! time moves: client events, then the mode's reactions (which may admit turns), in a fixed
+//! order, so a run is deterministic for its inputs.
+//!
+//! Each turn yields a [`TurnRecord`] with the fields of the real bench's `TurnRecord`
+//! (`python/session_gate/bench/runner.py`) except the ideal hit, which Python derives from the
+//! same records with the bench's own function.
+mod cap;
+mod client;
+mod events;
+mod gate;
+pub mod mode;
+pub mod spec;
+pub mod tokens;
+
+use std::collections::{HashMap, VecDeque};
+
+use self::client::{Client, Phase};
+use self::events::{Event, Events};
+use self::mode::Command;
+pub use self::mode::{Ctx, Mode, ModeSpec, SessionIx, TurnView};
+pub use self::spec::{SessionSpec, TurnSpec};
+use self::tokens::HashChain;
+use crate::error::{Error, Result};
+use crate::gate::GateStats;
+use crate::sim::{Replica, ReplicaStats, StepOutcome};
+
+/// One turn as the client saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TurnRecord {
+    /// The session's index in the workload.
+    pub session: SessionIx,
+    /// The turn's index in the session.
+    pub turn: u32,
+    /// Prompt (history) tokens.
+    pub prompt_tokens: u32,
+    /// vLLM's `num_cached_tokens` for the request, as the replica reports it.
+    pub cached_tokens: u32,
+    /// From the turn being ready to its whole answer: admission wait + generation.
+    pub latency_sec: f64,
+    /// From the turn being ready to its admission.
+    pub wait_sec: f64,
+    /// Why it was admitted (`"none"` without a gate).
+    pub reason: &'static str,
+    /// Virtual time the turn became ready.
+    pub ready_at: f64,
+    /// Virtual time its answer was complete.
+    pub finished_at: f64,
+    /// Times the engine preempted (recomputed) this request.
+    pub engine_preemptions: u32,
+}
+
+/// Everything one simulated run produced.
+#[derive(Debug, Clone)]
+pub struct SimOutput {
+    /// One record per turn, in the order the turns finished.
+    pub records: Vec<TurnRecord>,
+    /// Virtual seconds from the start to the end of the last session.
+    pub makespan_sec: f64,
+    /// The gate core's counters, for the gate modes.
+    pub gate_stats: Option<GateStats>,
+    /// The replica's counters (steps, busy time, preemptions, ...).
+    pub replica_stats: ReplicaStats,
+}
+
+/// Notifications for the mode, delivered in order.
+#[derive(Debug, Clone, Copy)]
+enum Note {
+    Arrived(SessionIx),
+    TurnReady(SessionIx),
+    TurnFinished(SessionIx),
+    SessionFinished(SessionIx),
+}
+
+/// How many loop iterations may pass without virtual time moving before the run is declared
+/// stuck (a mode that keeps waking itself at the same instant, say).
+const STALL_LIMIT: u32 = 1_000_000;
+
+/// Replays `sessions` (validated first) against `replica` through `mode`, with token identity
+/// seeded by `seed` (see [`tokens`]). Fails if a spec is invalid, if the mode fails, or if the
+/// run stalls with sessions unfinished (e.g. a prompt that can never fit the cache).
+pub fn simulate(
+    sessions: Vec<SessionSpec>,
+    seed: u64,
+    replica: Replica,
+    mode: &mut dyn Mode,
+) -> Result<SimOutput> {
+    for s in &sessions {
+        s.validate()?;
+    }
+    let block_size = replica.config().block_size;
+    let mut events = Events::default();
+    let clients = sessions
+        .into_iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            events.push(spec.arrival, Event::Arrive(i));
+            let chain = HashChain::new(seed, i as u64, spec.system_tokens, block_size);
+            Client::new(spec, chain)
+        })
+        .collect();
+    let mut sim = Sim {
+        replica,
+        clients,
+        events,
+        block_size,
+        now: 0.0,
+        commands: Vec::new(),
+        notes: VecDeque::new(),
+        requests: HashMap::new(),
+        next_request: 1,
+        records: Vec::new(),
+        finished: 0,
+        makespan: 0.0,
+    };
+    sim.run(mode)?;
+    Ok(SimOutput {
+        records: sim.records,
+        makespan_sec: sim.makespan,
+        gate_stats: mode.gate_stats(),
+        replica_stats: sim.replica.stats().clone(),
+    })
+}
+
+struct Sim {
+    replica: Replica,
+    clients: Vec<Client>,
+    events: Events,
+    block_size: u32,
+    now: f64,
+    commands: Vec<Command>,
+    notes: VecDeque<Note>,
+    /// Request id → session, for requests in the replica.
+    requests: HashMap<u64, SessionIx>,
+    next_request: u64,
+    records: Vec<TurnRecord>,
+    finished: usize,
+    makespan: f64,
+}
+
+impl Sim {
+    fn run(&mut self, mode: &mut dyn Mode) -> Result<()> {
+        let mut step: Option<(f64, StepOutcome)> = None;
+        let mut stalls = 0u32;
+        while self.finished < self.clients.len() {
+            self.settle(mode)?;
+            if step.is_none() {
+                step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
+            }
+            let next = [
+                step.as_ref().map(|(end, _)| *end),
+                self.events.next_time(),
+                mode.next_wake(),
+            ]
+            .into_iter()
+            .flatten()
+            .min_by(f64::total_cmp);
+            let Some(next) = next else {
+                return Err(self.stalled("nothing left to happen"));
+            };
+            if next > self.now {
+                self.now = next;
+                stalls = 0;
+            } else {
+                stalls += 1;
+                if stalls > STALL_LIMIT {
+                    return Err(self.stalled("virtual time stopped moving"));
+                }
+            }
+            if step.as_ref().is_some_and(|(end, _)| *end <= self.now) {
+                let (_, outcome) = step.take().expect("checked");
+                self.step_done(outcome)?;
+            }
+            while let Some(event) = self.events.pop_due(self.now) {
+                self.event(event)?;
+            }
+            if mode.next_wake().is_some_and(|t| t <= self.now) {
+                self.settle(mode)?;
+                let mut ctx = self.ctx();
+                mode.wake(&mut ctx)?;
+            }
+        }
+        // The last session's end still goes to the mode (the gate's finish_session).
+        self.settle(mode)
+    }
+
+    fn ctx(&mut self) -> Ctx<'_> {
+        Ctx {
+            now: self.now,
+            replica: &self.replica,
+            clients: &self.clients,
+            commands: &mut self.commands,
+        }
+    }
+
+    fn stalled(&self, why: &str) -> Error {
+        Error::InvalidInput(format!(
+            "simulation stalled at t={:.3} s ({why}): {} of {} sessions unfinished, {} requests \
+             running and {} waiting in the replica (a prompt larger than the cache?)",
+            self.now,
+            self.clients.len() - self.finished,
+            self.clients.len(),
+            self.replica.num_running(),
+            self.replica.num_waiting(),
+        ))
+    }
+
+    /// Applies the mode's commands and delivers notifications until both run dry.
+    fn settle(&mut self, mode: &mut dyn Mode) -> Result<()> {
+        loop {
+            let commands = std::mem::take(&mut self.commands);
+            for command in &commands {
+                self.apply(*command)?;
+            }
+            let Some(note) = self.notes.pop_front() else {
+                if self.commands.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            };
+            let mut ctx = self.ctx();
+            match note {
+                Note::Arrived(s) => mode.session_arrived(&mut ctx, s)?,
+                Note::TurnReady(s) => mode.turn_ready(&mut ctx, s)?,
+                Note::TurnFinished(s) => mode.turn_finished(&mut ctx, s)?,
+                Note::SessionFinished(s) => mode.session_finished(&mut ctx, s)?,
+            }
+        }
+    }
+
+    fn apply(&mut self, command: Command) -> Result<()> {
+        match command {
+            Command::Start(s) => {
+                let now = self.now;
+                let client = self.client(s, Phase::Idle, "start")?;
+                client.prepare_turn(now);
+                self.notes.push_back(Note::TurnReady(s));
+            }
+            Command::Admit(s, reason) => {
+                let (id, bs, now) = (self.next_request, self.block_size, self.now);
+                let client = self.client(s, Phase::Ready, "admit")?;
+                client.phase = Phase::InFlight;
+                client.admitted_at = now;
+                client.reason = reason;
+                let request = client.request(id, bs);
+                self.next_request += 1;
+                self.requests.insert(id, s);
+                self.replica.add_request(request)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Session `s`, which must be in `phase` for `what` to make sense.
+    fn client(&mut self, s: SessionIx, phase: Phase, what: &str) -> Result<&mut Client> {
+        match self.clients.get_mut(s) {
+            Some(c) if c.phase == phase => Ok(c),
+            Some(c) => Err(Error::InvalidInput(format!(
+                "mode asked to {what} session #{s} while it is {:?}",
+                c.phase
+            ))),
+            None => Err(Error::InvalidInput(format!(
+                "mode asked to {what} session #{s}, which does not exist"
+            ))),
+        }
+    }
+
+    fn step_done(&mut self, outcome: StepOutcome) -> Result<()> {
+        for done in &outcome.finished {
+            let s = self.requests.remove(&done.id).ok_or_else(|| {
+                Error::InvalidInput(format!("replica finished unknown request {}", done.id))
+            })?;
+            let now = self.now;
+            let c = &mut self.clients[s];
+            self.records.push(TurnRecord {
+                session: s,
+                turn: c.turn as u32,
+                prompt_tokens: c.history as u32,
+                cached_tokens: done.num_cached_tokens,
+                latency_sec: now - c.ready_at,
+                wait_sec: c.admitted_at - c.ready_at,
+                reason: c.reason,
+                ready_at: c.ready_at,
+                finished_at: now,
+                engine_preemptions: done.num_preemptions,
+            });
+            c.history += u64::from(c.max_tokens());
+            c.phase = Phase::Tool;
+            let tool = c.spec.turns[c.turn].tool_latency;
+            self.events.push(now + tool, Event::ToolDone(s));
+            self.notes.push_back(Note::TurnFinished(s));
+        }
+        Ok(())
+    }
+
+    fn event(&mut self, event: Event) -> Result<()> {
+        match event {
+            Event::Arrive(s) => self.notes.push_back(Note::Arrived(s)),
+            Event::ToolDone(s) => {
+                let now = self.now;
+                let c = &mut self.clients[s];
+                if c.turn + 1 < c.spec.turns.len() {
+                    c.turn += 1;
+                    c.prepare_turn(now);
+                    self.notes.push_back(Note::TurnReady(s));
+                } else {
+                    c.phase = Phase::Finished;
+                    self.finished += 1;
+                    self.makespan = now;
+                    self.notes.push_back(Note::SessionFinished(s));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,98 @@
+//! One client session's state in the event loop: where it is in its turns, its history and
+//! hash chain, and the timestamps its turn record needs.
+use std::sync::Arc;
+
+use super::mode::TurnView;
+use super::spec::SessionSpec;
+use super::tokens::HashChain;
+use crate::sim::{BlockHash, SimRequest};
+
+/// Where a session is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Phase {
+    /// Not arrived yet, or arrived and not started by the mode.
+    Idle,
+    /// Its turn is ready, waiting for the mode to admit it.
+    Ready,
+    /// Its turn is in the replica.
+    InFlight,
+    /// Its tool is running.
+    Tool,
+    /// Done.
+    Finished,
+}
+
+/// One session of the workload, replayed.
+#[derive(Debug)]
+pub(crate) struct Client {
+    pub(crate) spec: SessionSpec,
+    pub(crate) chain: HashChain,
+    pub(crate) phase: Phase,
+    /// Index of the current turn.
+    pub(crate) turn: usize,
+    /// Tokens of the current prompt (the history).
+    pub(crate) history: u64,
+    pub(crate) ready_at: f64,
+    pub(crate) admitted_at: f64,
+    pub(crate) reason: &'static str,
+}
+
+impl Client {
+    pub(crate) fn new(spec: SessionSpec, chain: HashChain) -> Self {
+        Self {
+            spec,
+            chain,
+            phase: Phase::Idle,
+            turn: 0,
+            history: 0,
+            ready_at: 0.0,
+            admitted_at: 0.0,
+            reason: "",
+        }
+    }
+
+    /// Appends the current turn's input (system + task on the first turn, the tool result on
+    /// later ones) and hashes the prompt's new full blocks.
+    pub(crate) fn prepare_turn(&mut self, now: f64) {
+        let t = self.spec.turns[self.turn];
+        if self.turn == 0 {
+            self.history = u64::from(self.spec.system_tokens) + u64::from(self.spec.task_tokens);
+        }
+        self.history += u64::from(t.append);
+        self.chain.extend_to(self.history);
+        self.phase = Phase::Ready;
+        self.ready_at = now;
+    }
+
+    pub(crate) fn max_tokens(&self) -> u32 {
+        self.spec.turns[self.turn].output
+    }
+
+    /// The replica request for the current turn: prompt, outputs, and the hashes of every full
+    /// block of prompt + outputs (the outputs are known in advance: exactly `max_tokens`).
+    pub(crate) fn request(&mut self, id: u64, block_size: u32) -> SimRequest {
+        let total = self.history + u64::from(self.max_tokens());
+        self.chain.extend_to(total);
+        let block_hashes: Arc<[BlockHash]> = self
+            .chain
+            .snapshot((total / u64::from(block_size)) as usize);
+        SimRequest {
+            id,
+            prompt_tokens: self.history as u32,
+            max_tokens: self.max_tokens(),
+            block_hashes,
+        }
+    }
+
+    pub(crate) fn view(&self) -> TurnView<'_> {
+        let block = self.chain.block_size() as u64;
+        let prompt_blocks = ((self.history / block) as usize).min(self.chain.hashes().len());
+        TurnView {
+            session_id: &self.spec.session_id,
+            turn: self.turn,
+            prompt_tokens: self.history as u32,
+            max_tokens: self.max_tokens(),
+            prompt_hashes: &self.chain.hashes()[..prompt_blocks],
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! Virtual time and the client events waiting on it: a min-heap ordered by time, then by the
+//! order the events were scheduled in (so equal times replay deterministically).
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+
+use super::mode::SessionIx;
+
+/// A virtual time with a total order (`f64::total_cmp`), usable as a heap key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Time(pub(crate) f64);
+
+impl PartialEq for Time {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Time {}
+
+impl PartialOrd for Time {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Time {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+/// Something a client does at a given time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Event {
+    /// The session arrives.
+    Arrive(SessionIx),
+    /// The session's tool call returns.
+    ToolDone(SessionIx),
+}
+
+/// Pending client events.
+#[derive(Debug, Default)]
+pub(crate) struct Events {
+    heap: BinaryHeap<Reverse<(Time, u64, Event)>>,
+    seq: u64,
+}
+
+impl Events {
+    pub(crate) fn push(&mut self, at: f64, event: Event) {
+        self.heap.push(Reverse((Time(at), self.seq, event)));
+        self.seq += 1;
+    }
+
+    /// Time of the earliest event.
+    pub(crate) fn next_time(&self) -> Option<f64> {
+        self.heap.peek().map(|Reverse((t, _, _))| t.0)
+    }
+
+    /// The earliest event if it is due by `now`.
+    pub(crate) fn pop_due(&mut self, now: f64) -> Option<Event> {
+        match self.heap.peek() {
+            Some(Reverse((t, _, _))) if t.0 <= now => self.heap.pop().map(|Reverse((_, _, e))| e),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! What stands between the clients and the replica: the [`Mode`] trait the event loop calls,
+//! the [`Ctx`] a mode acts through, and [`ModeSpec`], which names the built-in modes.
+//!
+//! A mode is told what the clients do (a session arrived, a turn is ready, a turn's answer is
+//! complete, a session ended) and answers through [`Ctx`]: start a session, admit a turn to the
+//! replica. It may ask to be woken at a virtual time ([`Mode::next_wake`]). It reads the replica
+//! only through its probes and counters, as a production controller reads vLLM. New modes (AIMD,
+//! pausing, ...) are new implementations of this trait plus one arm in [`ModeSpec`]; the event
+//! loop does not change.
+use crate::error::{Error, Result};
+use crate::gate::{GateConfig, GateStats, Pressure};
+use crate::sim::{BlockHash, Replica};
+
+use super::cap::CapMode;
+use super::client::Client;
+use super::gate::GateMode;
+
+/// A session's index in the workload.
+pub type SessionIx = usize;
+
+/// What a mode asked the driver to do; applied in order once the mode's call returns.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Command {
+    /// The session may send its first turn.
+    Start(SessionIx),
+    /// The session's ready turn goes to the replica now; `reason` is recorded with it.
+    Admit(SessionIx, &'static str),
+}
+
+/// A session's current turn as a mode sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnView<'a> {
+    /// The session's id.
+    pub session_id: &'a str,
+    /// Index of the turn in the session.
+    pub turn: usize,
+    /// Prompt (history) tokens of the turn.
+    pub prompt_tokens: u32,
+    /// The turn's `max_tokens`.
+    pub max_tokens: u32,
+    /// Hashes of the prompt's full blocks (what the prefix probe hashes).
+    pub prompt_hashes: &'a [BlockHash],
+}
+
+/// The view of the simulation a mode gets in each call, and its way to act.
+pub struct Ctx<'a> {
+    pub(crate) now: f64,
+    pub(crate) replica: &'a Replica,
+    pub(crate) clients: &'a [Client],
+    pub(crate) commands: &'a mut Vec<Command>,
+}
+
+impl<'a> Ctx<'a> {
+    /// Virtual seconds since the start of the run.
+    pub fn now(&self) -> f64 {
+        self.now
+    }
+
+    /// The replica, read-only: its probes (`usage`, `probe_prefix`) and counters.
+    pub fn replica(&self) -> &'a Replica {
+        self.replica
+    }
+
+    /// The session's current (or next) turn.
+    pub fn turn(&self, s: SessionIx) -> TurnView<'a> {
+        self.clients[s].view()
+    }
+
+    /// Lets session `s`, which has arrived, send its first turn.
+    pub fn start(&mut self, s: SessionIx) {
+        self.commands.push(Command::Start(s));
+    }
+
+    /// Sends session `s`'s ready turn to the replica; `reason` labels the admission in the
+    /// records (`"none"` for modes without a gate, the gate's reason otherwise).
+    pub fn admit(&mut self, s: SessionIx, reason: &'static str) {
+        self.commands.push(Command::Admit(s, reason));
+    }
+}
+
+/// An admission policy in virtual time. Every call happens at `ctx.now()`; a mode must not
+/// assume anything about time except through it.
+pub trait Mode {
+    /// Session `s` arrived and wants to send its first turn. Default: start it at once.
+    fn session_arrived(&mut self, ctx: &mut Ctx<'_>, s: SessionIx) -> Result<()> {
+        ctx.start(s);
+        Ok(())
+    }
+
+    /// Session `s` has a turn ready (its prompt is `ctx.turn(s)`); admit it now or later.
+    fn turn_ready(&mut self, ctx: &mut Ctx<'_>, s: SessionIx) -> Result<()>;
+
+    /// Session `s`'s admitted turn has its whole answer.
+    fn turn_finished(&mut self, _ctx: &mut Ctx<'_>, _s: SessionIx) -> Result<()> {
+        Ok(())
+    }
+
+    /// Session `s` has ended (its last tool call included).
+    fn session_finished(&mut self, _ctx: &mut Ctx<'_>, _s: SessionIx) -> Result<()> {
+        Ok(())
+    }
+
+    /// The next virtual time at which the mode wants [`Mode::wake`], if any.
+    fn next_wake(&mut self) -> Option<f64> {
+        None
+    }
+
+    /// Called once virtual time reaches [`Mode::next_wake`].
+    fn wake(&mut self, _ctx: &mut Ctx<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    /// The gate's counters, for modes that run the gate core.
+    fn gate_stats(&self) -> Option<GateStats> {
+        None
+    }
+}
+
+/// The built-in modes, as the bench names them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModeSpec {
+    /// Every turn goes straight to the replica.
+    None,
+    /// At most this many sessions live at once (a slot held for a session's whole life).
+    Cap(u32),
+    /// The seed's gate: the gate core with `pressure = "engine"` and the other knobs given.
+    Seed(GateConfig),
+    /// The default gate: the gate core with the knobs given.
+    Gate(GateConfig),
+}
+
+impl ModeSpec {
+    /// The mode of kind `kind` (`none`, `cap`, `seed`, `gate`), with `cap` sessions for `cap`
+    /// and the gate knobs `config` for the gates (`seed` forces `pressure = "engine"`).
+    pub fn from_kind(kind: &str, cap: u32, config: GateConfig) -> Result<Self> {
+        Ok(match kind {
+            "none" => Self::None,
+            "cap" if cap > 0 => Self::Cap(cap),
+            "cap" => return Err(Error::InvalidInput("mode cap needs a cap > 0".into())),
+            "seed" => Self::Seed(GateConfig {
+                pressure: Pressure::Engine,
+                ..config
+            }),
+            "gate" => Self::Gate(config),
+            other => {
+                return Err(Error::InvalidInput(format!(
+                    "unknown mode kind `{other}` (expected none, cap, seed or gate)"
+                )));
+            }
+        })
+    }
+
+    /// A fresh mode for a run over `sessions` sessions.
+    pub fn build(&self, sessions: usize) -> Result<Box<dyn Mode>> {
+        Ok(match self {
+            Self::None => Box::new(CapMode::new(None)),
+            Self::Cap(n) => Box::new(CapMode::new(Some(*n as usize))),
+            Self::Seed(c) | Self::Gate(c) => Box::new(GateMode::new(c.clone(), sessions)?),
+        })
+    }
+}

@@ -1,0 +1,102 @@
+"""``python -m session_gate.sim``: the twin runs a small workload in several modes, prints the
+bench's table labelled simulated, and writes the bench's JSON schema and a PNG; ``tune`` finds
+a setting no worse than the defaults. The twin itself is the native extension (no engine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from session_gate.bench import workloads
+from session_gate.bench.modes import Mode
+from session_gate.bench.runner import ModeResult
+from session_gate.sim import __main__ as sim_main
+from session_gate.sim import fidelity
+from session_gate.sim.twin import run_twin
+
+EXAMPLE = Path(workloads.__file__).with_name("example_trace.jsonl")
+BENCH_KEYS = set(ModeResult("m", "w", 1.0).summary())
+
+
+def test_the_cli_prints_simulated_tables_and_writes_the_bench_schema(tmp_path):
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "session_gate.sim", "--trace", str(EXAMPLE), "--modes",
+         "none,cap2,seed,gate", "--idle-grace-sec", "30", "--out", str(out), "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert "engine: twin:cpu-tiny (SIMULATED)" in proc.stdout
+    assert "latency by turn index" in proc.stdout
+    last = json.loads(lines[-1])
+    assert last["simulated"] is True
+    figures = last["figures"]["trace:example_trace.jsonl @ cpu-tiny"]
+    assert set(figures) == {"none", "cap2", "seed", "gate"}
+    results = json.loads(out.read_text())
+    assert results["knobs"] == {"idle_grace_sec": 30.0}
+    (summaries,) = results["workloads"].values()
+    for s in summaries:
+        assert BENCH_KEYS <= set(s) and s["engine"] == "twin:cpu-tiny"
+        assert s["turns"] == 28 and 0.0 <= s["hit_rate"] <= s["ideal_hit_rate"] + 1e-9
+        assert s["replica"]["steps"] > 0 and s["replica"]["busy_sec"] <= s["makespan_sec"]
+    gate = next(s for s in summaries if s["mode"] == "gate")
+    assert sum(gate["admissions_by_reason"].values()) == 28
+    assert "none" not in gate["admissions_by_reason"]
+    assert plot.stat().st_size > 10_000
+
+
+def test_bad_arguments_are_refused_with_a_reason(capsys):
+    with pytest.raises(SystemExit):
+        sim_main.main(["--workload", "default", "--high-watermark", "1.5"])
+    assert "high_watermark" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        sim_main.main(["--workload", "default", "--profile", "h900-nope"])
+    assert "unknown profile" in capsys.readouterr().err
+
+
+def test_real_results_stay_labelled_measured():
+    assert ModeResult("none", "w", 1.0).summary()["engine"] == "vllm-cpu"
+
+
+def test_the_twin_is_deterministic_and_the_gate_keeps_more_prefix_than_no_gate():
+    w = workloads.default_workload(0)
+    none = run_twin(w, Mode.parse("none"), "cpu-tiny").summary()
+    gate = run_twin(w, Mode.parse("gate"), "cpu-tiny").summary()
+    again = run_twin(w, Mode.parse("gate"), "cpu-tiny").summary()
+    assert gate["makespan_sec"] == again["makespan_sec"]
+    assert gate["prefill_tokens"] == again["prefill_tokens"]
+    assert gate["hit_rate"] > none["hit_rate"]
+
+
+def test_tune_finds_a_setting_no_worse_than_the_defaults(capsys):
+    sim_main.main(
+        ["tune", "--trace", str(EXAMPLE), "--grid", "high_watermark=0.5,0.9",
+         "--grid", "hit_threshold=0.8", "--grid", "idle-grace-sec=5,60"]
+    )
+    out = capsys.readouterr().out.strip().splitlines()
+    last = json.loads(out[-1])
+    assert last["simulated"] and last["settings"] == 5
+    assert last["best_makespan_sec"] <= last["default_makespan_sec"]
+    assert last["speedup_over_defaults"] >= 1.0
+    assert set(last["best"]) >= {"high_watermark", "hit_threshold", "idle_grace_sec"}
+
+
+def test_fidelity_compares_modes_as_ratios_to_none():
+    def s(mode, hit, prefill, span):
+        return {"mode": mode, "hit_rate": hit, "prefill_tokens": prefill, "makespan_sec": span}
+
+    real = [s("none", 0.30, 1000, 100.0), s("gate", 0.80, 300, 50.0)]
+    twin = [s("none", 0.32, 1100, 10.0), s("gate", 0.78, 300, 6.0)]
+    c = fidelity.compare(real, twin)
+    assert c["modes"]["gate"]["makespan_ratio_rel"] == pytest.approx(0.6 / 0.5 - 1)
+    assert c["modes"]["none"]["prefill_tokens_rel"] == pytest.approx(0.1)
+    assert c["same_order"] and c["order_real"] == ["gate", "none"]
+    v = fidelity.verdict({"w": c})
+    assert v["largest_errors"]["makespan_ratio_rel"]["where"] == "w/gate"
+    assert not v["targets_hold"]["makespan_ratio_rel"] and v["targets_hold"]["hit_rate_abs"]

@@ -1,0 +1,318 @@
+//! The twin's clients in virtual time (`src/sim/driver`): turn sequencing, tool waits,
+//! arrivals, token identity as the prefix cache sees it, session caps, and the real gate core's
+//! waits and wake-ups, all on a replica whose every step takes exactly 10 ms.
+use session_gate::gate::GateConfig;
+use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate};
+use session_gate::sim::{CostModel, Replica, ReplicaConfig};
+
+const STEP: f64 = 0.01;
+
+/// A profile whose steps all take `STEP` seconds, whatever they schedule.
+fn flat_cost() -> CostModel {
+    let coef = |v: f64| format!("{{ value = {v}, source = \"test\" }}");
+    let text = format!(
+        "name = \"flat\"\ndescription = \"every step 10 ms\"\n\
+         [replica]\nkv_bytes_per_token = 1\nnum_blocks = 1024\nblock_size = 16\n\
+         max_num_seqs = 16\nmax_num_batched_tokens = 8192\nsource = \"test\"\n\
+         [cost]\nstep_sec = {}\nper_seq_sec = {}\nper_token_sec = {}\nweights_sec = {}\n\
+         prefill_attn_sec = {}\ndecode_ctx_sec = {}\n",
+        coef(STEP),
+        coef(0.0),
+        coef(0.0),
+        coef(0.0),
+        coef(0.0),
+        coef(0.0)
+    );
+    CostModel::from_toml("flat.toml", &text).unwrap()
+}
+
+fn replica(num_blocks: u32) -> Replica {
+    let config = ReplicaConfig {
+        num_blocks,
+        block_size: 16,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 8192,
+    };
+    Replica::new(config, flat_cost()).unwrap()
+}
+
+fn session(
+    id: &str,
+    system: u32,
+    task: u32,
+    arrival: f64,
+    turns: &[(u32, u32, f64)],
+) -> SessionSpec {
+    SessionSpec {
+        session_id: id.into(),
+        system_tokens: system,
+        task_tokens: task,
+        arrival,
+        turns: turns
+            .iter()
+            .map(|&(append, output, tool_latency)| TurnSpec {
+                append,
+                output,
+                tool_latency,
+            })
+            .collect(),
+    }
+}
+
+fn run(sessions: Vec<SessionSpec>, num_blocks: u32, mode: ModeSpec) -> SimOutput {
+    let n = sessions.len();
+    let mut m = mode.build(n).unwrap();
+    simulate(sessions, 7, replica(num_blocks), m.as_mut()).unwrap()
+}
+
+fn of(out: &SimOutput, s: usize) -> Vec<&TurnRecord> {
+    let mut r: Vec<_> = out.records.iter().filter(|r| r.session == s).collect();
+    r.sort_by_key(|r| r.turn);
+    r
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-6
+}
+
+#[test]
+fn turns_follow_each_other_after_their_tool_calls() {
+    let turns = [(0, 8, 1.5), (100, 8, 0.25), (40, 8, 2.0)];
+    let out = run(
+        vec![session("a", 0, 200, 0.0, &turns)],
+        1024,
+        ModeSpec::None,
+    );
+    let r = of(&out, 0);
+    assert_eq!(r.len(), 3);
+    assert_eq!(r[0].prompt_tokens, 200);
+    assert_eq!(r[1].prompt_tokens, 200 + 8 + 100);
+    assert_eq!(r[2].prompt_tokens, 308 + 8 + 40);
+    for t in 0..2 {
+        assert!(close(r[t + 1].ready_at, r[t].finished_at + turns[t].2));
+    }
+    for x in &r {
+        // Alone on the replica: no wait, a whole number of 10 ms steps, at least one per token.
+        assert_eq!(x.wait_sec, 0.0);
+        assert_eq!(x.reason, "none");
+        let steps = x.latency_sec / STEP;
+        assert!(
+            (steps - steps.round()).abs() < 1e-6 && steps.round() >= 8.0,
+            "{steps}"
+        );
+    }
+    // The session ends after its last tool call.
+    assert!(close(out.makespan_sec, r[2].finished_at + 2.0));
+}
+
+#[test]
+fn a_session_starts_at_its_arrival() {
+    let out = run(
+        vec![
+            session("early", 0, 64, 0.0, &[(0, 4, 0.0)]),
+            session("late", 0, 64, 5.0, &[(0, 4, 0.0)]),
+        ],
+        1024,
+        ModeSpec::None,
+    );
+    assert_eq!(of(&out, 0)[0].ready_at, 0.0);
+    assert_eq!(of(&out, 1)[0].ready_at, 5.0);
+    assert!(out.makespan_sec > 5.0);
+}
+
+#[test]
+fn later_turns_hit_the_whole_previous_sequence_when_nothing_is_evicted() {
+    let turns = [(0, 20, 0.5), (37, 20, 0.5), (90, 20, 0.5)];
+    let out = run(
+        vec![session("a", 0, 300, 0.0, &turns)],
+        1024,
+        ModeSpec::None,
+    );
+    let r = of(&out, 0);
+    assert_eq!(r[0].cached_tokens, 0);
+    for t in 1..3 {
+        // vLLM's rule: the previous sequence's full blocks (its last token has no KV), capped
+        // at (prompt - 1) // block_size blocks.
+        let prev = r[t - 1].prompt_tokens + 20;
+        let ideal = ((prev - 1) / 16 * 16).min((r[t].prompt_tokens - 1) / 16 * 16);
+        assert_eq!(r[t].cached_tokens, ideal, "turn {t}");
+    }
+}
+
+#[test]
+fn sessions_share_the_system_prompt_and_nothing_else() {
+    // b arrives once a's first turn is done: a's system blocks (and task) are cached.
+    let out = run(
+        vec![
+            session("a", 100, 200, 0.0, &[(0, 4, 0.0)]),
+            session("b", 70, 200, 1.0, &[(0, 4, 0.0)]),
+        ],
+        1024,
+        ModeSpec::None,
+    );
+    assert_eq!(of(&out, 0)[0].cached_tokens, 0);
+    // b's 70 system tokens fill 4 whole blocks; the 5th mixes in b's own task.
+    assert_eq!(of(&out, 1)[0].cached_tokens, 64);
+}
+
+#[test]
+fn a_cap_holds_later_sessions_until_a_slot_frees() {
+    let turns = [(0, 4, 1.0), (10, 4, 1.0)];
+    let out = run(
+        vec![
+            session("a", 0, 64, 0.0, &turns),
+            session("b", 0, 64, 0.0, &turns),
+            session("c", 0, 64, 0.0, &turns),
+        ],
+        1024,
+        ModeSpec::Cap(2),
+    );
+    let end_a = of(&out, 0)[1].finished_at + 1.0;
+    let end_b = of(&out, 1)[1].finished_at + 1.0;
+    assert_eq!(of(&out, 1)[0].ready_at, 0.0);
+    // c gets the first slot to free, and its turns count no wait (the slot is not a turn's).
+    let c = of(&out, 2);
+    assert!(close(c[0].ready_at, end_a.min(end_b)));
+    assert_eq!(c[0].wait_sec, 0.0);
+    assert!(close(out.makespan_sec, c[1].finished_at + 1.0));
+}
+
+/// Two sessions whose working sets (17 blocks each) cannot both fit under the watermark
+/// (0.85 x 33 blocks): b must wait for a.
+fn contending(a_turns: &[(u32, u32, f64)]) -> Vec<SessionSpec> {
+    vec![
+        session("a", 0, 250, 0.0, a_turns),
+        session("b", 0, 250, 0.001, &[(0, 8, 0.0)]),
+    ]
+}
+
+#[test]
+fn the_gate_wakes_a_waiter_when_the_session_ahead_finishes() {
+    let out = run(
+        contending(&[(0, 8, 1.0)]),
+        33,
+        ModeSpec::Gate(GateConfig::default()),
+    );
+    let a_end = of(&out, 0)[0].finished_at + 1.0;
+    let b = of(&out, 1)[0];
+    // Woken by finish_session (an epoch move) at a's end, well before the 5 s poll.
+    assert!(close(b.ready_at + b.wait_sec, a_end), "{b:?} vs {a_end}");
+    assert!(b.wait_sec > 0.5 && b.wait_sec < 5.0);
+    assert_eq!(b.reason, "open");
+    let stats = out.gate_stats.unwrap();
+    assert_eq!(stats.sessions_finished, 2);
+    assert_eq!(stats.admissions_total(), 2);
+    assert_eq!(stats.pending, 0);
+}
+
+#[test]
+fn the_gate_keeps_its_deadlines_in_virtual_time() {
+    // a holds its reservation for 20 s of tool calls; b's attempt gives up at max_wait.
+    let config = GateConfig {
+        max_wait_sec: Some(0.5),
+        ..GateConfig::default()
+    };
+    let out = run(
+        contending(&[(0, 8, 20.0), (10, 8, 0.0)]),
+        33,
+        ModeSpec::Gate(config),
+    );
+    let b = of(&out, 1)[0];
+    assert_eq!(b.reason, "max_wait");
+    assert!(close(b.wait_sec, 0.5), "{b:?}");
+}
+
+#[test]
+fn the_gate_wakes_the_head_waiter_when_a_grace_window_ends() {
+    // a's idle grace window ends 0.3 s into its 20 s tool call; nothing else happens then, so
+    // only the deadline the core gave the head of the queue lets b in, at that instant.
+    let config = GateConfig {
+        idle_grace_sec: 0.3,
+        ..GateConfig::default()
+    };
+    let out = run(
+        contending(&[(0, 8, 20.0), (10, 8, 0.0)]),
+        33,
+        ModeSpec::Gate(config),
+    );
+    let a0 = of(&out, 0)[0];
+    let b = of(&out, 1)[0];
+    assert!(
+        close(b.ready_at + b.wait_sec, a0.finished_at + 0.3),
+        "{b:?} {a0:?}"
+    );
+    assert_eq!(out.gate_stats.unwrap().grace_expired, 1);
+}
+
+#[test]
+fn the_gate_polls_again_after_wait_poll_sec() {
+    // b waits behind a's reservation with no event to wake it until a ends at ~20 s; a's
+    // turns are cheap, so every poll finds the same pressure: b's admission comes at a's end.
+    let config = GateConfig {
+        wait_poll_sec: 2.0,
+        ..GateConfig::default()
+    };
+    let out = run(
+        contending(&[(0, 8, 20.0), (10, 8, 0.0)]),
+        33,
+        ModeSpec::Gate(config),
+    );
+    let b = of(&out, 1)[0];
+    assert!(b.wait_sec > 19.0, "{b:?}");
+    let stats = out.gate_stats.clone().unwrap();
+    // Each 2 s deadline made b poll again: a usage probe per poll, ~10 of them.
+    let usage_probes = stats
+        .probe(session_gate::gate::ProbeKind::Usage)
+        .latency
+        .count;
+    assert!(usage_probes >= 10, "{usage_probes}");
+}
+
+#[test]
+fn the_seed_gate_runs_the_core_with_engine_pressure() {
+    let out = run(
+        contending(&[(0, 8, 1.0)]),
+        33,
+        ModeSpec::from_kind("seed", 0, GateConfig::default()).unwrap(),
+    );
+    // Engine pressure: usage is low while a's prompt is not scheduled, so b is let in.
+    assert_eq!(of(&out, 1)[0].reason, "open");
+    assert!(out.gate_stats.is_some());
+}
+
+#[test]
+fn runs_are_deterministic() {
+    let sessions = || {
+        (0..6)
+            .map(|i| {
+                session(
+                    &format!("s{i}"),
+                    64,
+                    150,
+                    i as f64 * 0.1,
+                    &[(0, 6, 0.3), (50, 6, 0.7), (80, 6, 0.2)],
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let a = run(sessions(), 40, ModeSpec::Gate(GateConfig::default()));
+    let b = run(sessions(), 40, ModeSpec::Gate(GateConfig::default()));
+    assert_eq!(a.records, b.records);
+    assert_eq!(a.records.len(), 18);
+}
+
+#[test]
+fn bad_specs_and_impossible_prompts_are_errors() {
+    let mut m = ModeSpec::None.build(1).unwrap();
+    let bad = session("x", 0, 10, 0.0, &[(5, 4, 0.0)]);
+    let err = simulate(vec![bad], 0, replica(64), m.as_mut()).unwrap_err();
+    assert!(
+        err.to_string().contains("session `x`: turn 0: append"),
+        "{err}"
+    );
+    let huge = session("y", 0, 64 * 16, 0.0, &[(0, 4, 0.0)]);
+    let mut m = ModeSpec::None.build(1).unwrap();
+    assert!(simulate(vec![huge], 0, replica(64), m.as_mut()).is_err());
+    assert!(ModeSpec::from_kind("fast", 0, GateConfig::default()).is_err());
+    assert!(ModeSpec::from_kind("cap", 0, GateConfig::default()).is_err());
+}
