@@ -47,4 +47,16 @@ pub enum Error {
     /// A handle (lease, attempt) that is unknown or already used.
     #[error("unknown or stale handle: {0}")]
     StaleHandle(String),
+    /// A twin profile (TOML) is malformed or has a value out of range.
+    #[error("{file}:{line}: field `{field}`: {why}")]
+    InvalidProfile {
+        /// The profile's path (or built-in name).
+        file: String,
+        /// 1-based line of the problem (0 if unknown).
+        line: usize,
+        /// The field that was wrong, e.g. `cost.step_sec`.
+        field: String,
+        /// What was wrong with it.
+        why: String,
+    },
 }

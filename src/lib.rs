@@ -3,7 +3,8 @@
 //! The crate has two halves that share nothing but names:
 //! - the **engine half** ([`hashing`], [`prefix`]): vLLM-exact block hashing and the per-session
 //!   hash-chain cache behind the residency probes that run inside vLLM's engine core;
-//! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver.
+//! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver;
+//! - the **twin** ([`sim`]): a sans-IO model of a vLLM replica that runs the gate in virtual time.
 //!
 //! Beside the gate, [`baselines`] holds the controllers people deploy today (prime-rl's AIMD
 //! concurrency, ThunderAgent's pausing), sans-IO too, for the benchmark and the twin.
@@ -21,6 +22,7 @@ pub mod hashing;
 pub mod prefix;
 #[cfg(feature = "proxy")]
 pub mod proxy;
+pub mod sim;
 
 #[cfg(feature = "python")]
 mod python;

@@ -34,7 +34,7 @@ impl From<Error> for Failure {
     fn from(e: Error) -> Self {
         // Exhaustive on purpose: a new error variant must be given a code here.
         let status = match &e {
-            Error::InvalidKnob { .. } => sys::SG_INVALID_CONFIG,
+            Error::InvalidKnob { .. } | Error::InvalidProfile { .. } => sys::SG_INVALID_CONFIG,
             Error::InvalidInput(_) | Error::UnsupportedHashAlgo(_) => sys::SG_INVALID_ARGUMENT,
             Error::ProbeUnavailable(_) => sys::SG_UNAVAILABLE,
             Error::Preempted { .. } => sys::SG_PREEMPTED,

@@ -8,9 +8,10 @@ impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
         let msg = err.to_string();
         match err {
-            Error::InvalidKnob { .. } | Error::InvalidInput(_) | Error::UnsupportedHashAlgo(_) => {
-                PyValueError::new_err(msg)
-            }
+            Error::InvalidKnob { .. }
+            | Error::InvalidInput(_)
+            | Error::UnsupportedHashAlgo(_)
+            | Error::InvalidProfile { .. } => PyValueError::new_err(msg),
             Error::Timeout { .. } => PyTimeoutError::new_err(msg),
             Error::StaleHandle(_) => PyLookupError::new_err(msg),
             _ => PyRuntimeError::new_err(msg),

@@ -13,6 +13,7 @@ mod errors;
 mod gate;
 mod guard;
 mod sim;
+mod sim_pool;
 mod tokens;
 
 /// `session_gate._native`: the engine-side probe and the gate core.
@@ -23,5 +24,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     gate::register(m)?;
     baselines::register(m)?;
     sim::register(m)?;
+    sim_pool::register(m)?;
     Ok(())
 }

@@ -1,0 +1,159 @@
+"""Times real engine steps of the tiny CPU engine, with what each step scheduled.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``LLM.llm_engine``), so
+one ``llm_engine.step()`` is one scheduler step plus the model run and output processing. The
+scheduler's ``schedule`` is wrapped to record, per scheduled request, ``(scheduled tokens,
+computed tokens before, num_tokens, num_output_tokens)`` — the inputs of the twin's cost model
+(``session_gate._native.sim_step_features``). Async scheduling is off so each timed call is
+exactly one step (the twin models steps one after another).
+
+Used by ``python -m session_gate.sim.calibrate``; an engine is started and shut down here.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: One scheduled request: (scheduled tokens, computed before, num_tokens, num_output_tokens).
+Entry = tuple[int, int, int, int]
+
+
+@dataclass
+class Scenario:
+    """Requests submitted together (``arrivals`` maps a step index to the requests added
+    before that step); every prompt's tokens are fresh unless it names a shared prefix."""
+
+    name: str
+    arrivals: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    """step -> [(prefix key, prompt tokens, max_tokens)]; prefix key 0 means no sharing."""
+
+
+@dataclass
+class TimedStep:
+    scenario: str
+    seconds: float
+    entries: list[Entry]
+
+
+def calibration_scenarios(max_prompt: int = 8000) -> list[Scenario]:
+    """Prefill sizes, cached prefixes, decode batch sizes and contexts, and mixed steps."""
+    out: list[Scenario] = []
+    for p in (32, 128, 512, 1024, 2048, 4096, max_prompt):
+        out.append(Scenario(f"prefill-{p}", {0: [(0, p, 2)]}))
+    for prefix in (1024, 4096):
+        for new in (64, 512, 2048):
+            key = prefix * 10 + new
+            out.append(
+                Scenario(
+                    f"cached-{prefix}+{new}",
+                    {0: [(key, prefix, 1)], 3: [(key, prefix + new, 2)]},
+                )
+            )
+    for batch in (1, 2, 4, 8, 16):
+        for ctx in (64, 1024, 3000):
+            if batch * ctx > 30000:
+                continue
+            out.append(Scenario(f"decode-{batch}x{ctx}", {0: [(0, ctx, 24)] * batch}))
+    out.append(
+        Scenario(
+            "mixed-8x512+2048",
+            {0: [(0, 512, 40)] * 8, 6: [(0, 2048, 4)], 12: [(0, 6000, 2)]},
+        )
+    )
+    out.append(Scenario("chunked-2x6000", {0: [(0, 6000, 3), (0, 6000, 3)]}))
+    return out
+
+
+def time_steps(
+    scenarios: Iterable[Scenario],
+    *,
+    repeats: int = 2,
+    num_blocks: int = 1024,
+    block_size: int = 32,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 8192,
+    seed: int = 0,
+    progress: Any = None,
+) -> list[TimedStep]:
+    """Runs every scenario ``repeats`` times on one fresh tiny engine; returns every step."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+
+    from session_gate.engine.launch import make_llm
+
+    llm = make_llm(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        async_scheduling=False,
+    )
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    captured: list[list[Entry]] = []
+    original = sched.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        entries = []
+        for rid, n in out.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            # schedule() already advanced num_computed_tokens by n (_update_after_schedule).
+            entries.append((int(n), int(req.num_computed_tokens - n), int(req.num_tokens),
+                            int(req.num_output_tokens)))
+        captured.append(entries)
+        return out
+
+    sched.schedule = schedule
+    rng = random.Random(seed)
+    prefixes: dict[int, list[int]] = {}
+    counter = 0
+    steps: list[TimedStep] = []
+    try:
+        warm = [Scenario("warmup", {0: [(0, 256, 8)] * 4})]
+        for rep, sc in enumerate(warm + [s for s in scenarios for _ in range(repeats)]):
+            if progress:
+                progress(sc.name)
+            llm.reset_prefix_cache()
+            prefixes.clear()
+            step = 0
+            pending = dict(sc.arrivals)
+            while pending or engine.has_unfinished_requests():
+                for key, plen, max_tokens in pending.pop(step, []):
+                    if key and key in prefixes:
+                        base = prefixes[key]
+                        tokens = base + [rng.randrange(3, 4096) for _ in range(plen - len(base))]
+                    else:
+                        tokens = [rng.randrange(3, 4096) for _ in range(plen)]
+                        if key:
+                            prefixes[key] = tokens
+                    counter += 1
+                    engine.add_request(
+                        f"cal-{counter}",
+                        {"prompt_token_ids": tokens},
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                    )
+                if not engine.has_unfinished_requests():
+                    step += 1
+                    continue
+                captured.clear()
+                gc.collect(0)
+                t0 = time.perf_counter()
+                engine.step()
+                seconds = time.perf_counter() - t0
+                step += 1
+                if rep == 0 or len(captured) != 1 or not captured[0]:
+                    continue  # the warm-up, or a call that scheduled nothing
+                steps.append(TimedStep(sc.name, seconds, captured[0]))
+    finally:
+        sched.schedule = original
+        del llm, engine, core, sched
+        gc.collect()
+    return steps

@@ -1,0 +1,163 @@
+//! vLLM 0.32's `KVCacheManager` over one full-attention group (`v1/core/kv_cache_manager.py`,
+//! `FullAttentionManager` in `v1/core/single_type_kv_cache_manager.py`, the unitary coordinator):
+//! prefix lookup, `allocate_slots` (with the full-prompt admission check the scheduler asks for,
+//! `scheduler_reserve_full_isl`, on by default), caching of full blocks as their tokens are
+//! scheduled, and freeing a request's blocks tail first.
+//!
+//! A request's blocks live in its own [`ReqKv`] (vLLM's `req_to_blocks[request_id]` and
+//! `num_cached_block[request_id]`), so no per-request map is needed.
+use super::BlockHash;
+use super::block_pool::{BlockId, BlockPool};
+
+/// One request's KV blocks.
+#[derive(Debug, Clone, Default)]
+pub struct ReqKv {
+    /// Blocks in token order (`req_to_blocks`).
+    pub blocks: Vec<BlockId>,
+    /// Leading blocks already in the cached map (`num_cached_block`).
+    pub num_cached: u32,
+}
+
+/// The KV-cache manager: the block pool plus vLLM's allocation rules.
+#[derive(Debug, Clone)]
+pub struct KvManager {
+    /// The pool (public for probes and tests).
+    pub pool: BlockPool,
+    block_size: u32,
+    max_model_len: u32,
+    scratch: Vec<BlockId>,
+}
+
+/// `cdiv`.
+fn blocks_for(tokens: u32, block_size: u32) -> u32 {
+    tokens.div_ceil(block_size)
+}
+
+impl KvManager {
+    /// A manager over a fresh pool of `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: u32, block_size: u32, max_model_len: u32) -> Self {
+        KvManager {
+            pool: BlockPool::new(num_blocks),
+            block_size,
+            max_model_len,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// `get_computed_blocks`: the longest run of cached leading blocks of a request with
+    /// `num_tokens` tokens, capped at `(num_tokens - 1) // block_size` blocks so at least one
+    /// token is computed. Writes the blocks to `out` (cleared first).
+    pub fn find_longest_cache_hit(
+        &self,
+        block_hashes: &[BlockHash],
+        num_tokens: u32,
+        out: &mut Vec<BlockId>,
+    ) {
+        out.clear();
+        let cap = (num_tokens.saturating_sub(1) / self.block_size) as usize;
+        for &h in block_hashes.iter().take(cap) {
+            match self.pool.cached_block(h) {
+                Some(b) => out.push(b),
+                None => break,
+            }
+        }
+    }
+
+    /// Read-only hit count (blocks) for a prompt, the same rule as [`Self::find_longest_cache_hit`].
+    pub fn count_hit_blocks(&self, block_hashes: &[BlockHash], num_tokens: u32) -> u32 {
+        let cap = (num_tokens.saturating_sub(1) / self.block_size) as usize;
+        block_hashes
+            .iter()
+            .take(cap)
+            .take_while(|h| self.pool.cached_block(**h).is_some())
+            .count() as u32
+    }
+
+    /// Hit blocks that sit in the free queue (a hit on them uses up free capacity).
+    fn num_evictable(&self, blocks: &[BlockId]) -> u32 {
+        blocks
+            .iter()
+            .filter(|&&b| self.pool.ref_cnt(b) == 0)
+            .count() as u32
+    }
+
+    /// `allocate_slots` for a request with `num_computed` tokens already computed (0 for a
+    /// waiting request) that now hits `new_computed` cached blocks and schedules
+    /// `num_new_tokens` more. `num_tokens` is the request's current length (prompt plus the
+    /// outputs it has), `block_hashes` its chained hashes. `full_sequence_must_fit` is the
+    /// admission check for a waiting request: the whole current sequence must fit.
+    /// Returns false, changing nothing, when the blocks are not there.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allocate_slots(
+        &mut self,
+        kv: &mut ReqKv,
+        num_computed: u32,
+        num_new_tokens: u32,
+        new_computed: &[BlockId],
+        num_tokens: u32,
+        block_hashes: &[BlockHash],
+        full_sequence_must_fit: bool,
+    ) -> bool {
+        let bs = self.block_size;
+        let num_new_computed = new_computed.len() as u32 * bs;
+        let total_computed = (num_computed + num_new_computed).min(self.max_model_len);
+        let held = kv.blocks.len() as u32 + new_computed.len() as u32;
+        let evictable = self.num_evictable(new_computed);
+        let free = self.pool.num_free_blocks();
+        if full_sequence_must_fit {
+            let full = num_tokens.min(self.max_model_len);
+            let need = blocks_for(full, bs).saturating_sub(held) + evictable;
+            if need > free {
+                return false;
+            }
+        }
+        let need_slot = (total_computed + num_new_tokens).min(self.max_model_len);
+        let need = blocks_for(need_slot, bs).saturating_sub(held) + evictable;
+        if need > free {
+            return false;
+        }
+        if !new_computed.is_empty() {
+            debug_assert!(kv.blocks.is_empty());
+            self.pool.touch(new_computed);
+            kv.blocks.extend_from_slice(new_computed);
+            kv.num_cached = kv.blocks.len() as u32;
+        }
+        let want = blocks_for(need_slot, bs);
+        let have = kv.blocks.len() as u32;
+        if want > have {
+            let ok = self.pool.get_new_blocks(want - have, &mut kv.blocks);
+            debug_assert!(ok.is_some());
+        }
+        let to_cache = (total_computed + num_new_tokens).min(num_tokens);
+        self.cache_blocks(kv, to_cache, block_hashes);
+        true
+    }
+
+    /// `cache_blocks`: caches the request's full blocks up to `num_tokens` tokens.
+    fn cache_blocks(&mut self, kv: &mut ReqKv, num_tokens: u32, block_hashes: &[BlockHash]) {
+        let full = (num_tokens / self.block_size).min(block_hashes.len() as u32);
+        if kv.num_cached >= full {
+            return;
+        }
+        for i in kv.num_cached..full {
+            self.pool
+                .cache_block(kv.blocks[i as usize], block_hashes[i as usize]);
+        }
+        kv.num_cached = full;
+    }
+
+    /// `free`: returns a request's blocks to the pool, tail first.
+    pub fn free(&mut self, kv: &mut ReqKv) {
+        self.scratch.clear();
+        self.scratch.extend(kv.blocks.drain(..).rev());
+        let blocks = std::mem::take(&mut self.scratch);
+        self.pool.free_blocks(blocks.iter().copied());
+        self.scratch = blocks;
+        kv.num_cached = 0;
+    }
+}

@@ -1,0 +1,204 @@
+//! [`Replica`]: one modelled vLLM replica — scheduler, KV-cache manager and cost model behind
+//! the calls a driver makes (add, abort, step, and the two probes the gate asks).
+use super::cost::CostModel;
+use super::kv_manager::KvManager;
+use super::scheduler::{Scheduled, Scheduler, SchedulerLimits};
+use super::{BlockHash, ReplicaConfig, SimRequest, StepOutcome};
+use crate::gate::{PrefixReport, UsageReport};
+use crate::{Error, Result};
+
+/// Cumulative counters of a replica.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReplicaStats {
+    /// Steps run.
+    pub steps: u64,
+    /// Modelled seconds the engine was busy (sum of step durations).
+    pub busy_sec: f64,
+    /// Preemptions (recompute).
+    pub preemptions: u64,
+    /// Tokens computed by prefills and decodes.
+    pub scheduled_tokens: u64,
+    /// Prefill tokens computed (recomputation included).
+    pub prefill_tokens: u64,
+    /// Requests finished.
+    pub finished: u64,
+}
+
+/// One modelled vLLM replica.
+#[derive(Debug)]
+pub struct Replica {
+    config: ReplicaConfig,
+    sched: Scheduler,
+    cost: CostModel,
+    stats: ReplicaStats,
+    step_scratch: Scheduled,
+}
+
+impl Replica {
+    /// A replica with an empty cache. Errors name the bad field of `config`.
+    pub fn new(config: ReplicaConfig, cost: CostModel) -> Result<Self> {
+        let knob = |knob: &'static str, value: u32, why: &'static str| Error::InvalidKnob {
+            knob,
+            value: value.to_string(),
+            why,
+        };
+        if config.num_blocks < 2 {
+            return Err(knob(
+                "num_blocks",
+                config.num_blocks,
+                "at least 2 (the null block and one)",
+            ));
+        }
+        if config.block_size == 0 {
+            return Err(knob("block_size", 0, "at least 1"));
+        }
+        if config.max_num_seqs == 0 {
+            return Err(knob("max_num_seqs", 0, "at least 1"));
+        }
+        if config.max_num_batched_tokens == 0 {
+            return Err(knob("max_num_batched_tokens", 0, "at least 1"));
+        }
+        // One request can hold every non-null block: vLLM's largest usable max_model_len.
+        let max_model_len = (config.num_blocks - 1).saturating_mul(config.block_size);
+        let kv = KvManager::new(config.num_blocks, config.block_size, max_model_len);
+        let limits = SchedulerLimits {
+            max_num_seqs: config.max_num_seqs,
+            max_num_batched_tokens: config.max_num_batched_tokens,
+        };
+        Ok(Replica {
+            config,
+            sched: Scheduler::new(kv, limits),
+            cost,
+            stats: ReplicaStats::default(),
+            step_scratch: Scheduled::default(),
+        })
+    }
+
+    /// The replica's shape.
+    pub fn config(&self) -> &ReplicaConfig {
+        &self.config
+    }
+
+    /// The cost model.
+    pub fn cost(&self) -> &CostModel {
+        &self.cost
+    }
+
+    /// Adds a request at the back of the waiting queue (FCFS).
+    pub fn add_request(&mut self, req: SimRequest) -> Result<()> {
+        if req.prompt_tokens == 0 {
+            return Err(Error::InvalidInput(format!(
+                "request {}: empty prompt",
+                req.id
+            )));
+        }
+        if req.max_tokens == 0 {
+            return Err(Error::InvalidInput(format!(
+                "request {}: max_tokens is 0",
+                req.id
+            )));
+        }
+        let capacity = u64::from(self.config.num_blocks - 1) * u64::from(self.config.block_size);
+        let len = u64::from(req.prompt_tokens) + u64::from(req.max_tokens);
+        if len > capacity {
+            return Err(Error::InvalidInput(format!(
+                "request {}: {len} tokens can never fit in {capacity} KV slots",
+                req.id
+            )));
+        }
+        if self.sched.contains(req.id) {
+            return Err(Error::InvalidInput(format!(
+                "request {}: id already live",
+                req.id
+            )));
+        }
+        self.sched.add(req);
+        Ok(())
+    }
+
+    /// Aborts a request (waiting or running), freeing its blocks as vLLM's abort does.
+    pub fn abort_request(&mut self, id: u64) -> bool {
+        self.sched.abort(id)
+    }
+
+    /// Schedules and runs one engine step; `None` when there is nothing to run.
+    pub fn step(&mut self) -> Option<StepOutcome> {
+        if self.sched.num_running() == 0 && self.sched.num_waiting() == 0 {
+            return None;
+        }
+        let mut step = std::mem::take(&mut self.step_scratch);
+        self.sched.schedule(&mut step);
+        if step.entries.is_empty() && step.preempted.is_empty() {
+            // Nothing fits (only possible when waiting requests cannot be admitted and nothing
+            // runs, which add_request's size check rules out); report no progress.
+            self.step_scratch = step;
+            return None;
+        }
+        let duration_sec = self.cost.step_time(&step.work);
+        let mut outcome = StepOutcome {
+            duration_sec,
+            finished: Vec::new(),
+            preempted: step.preempted.clone(),
+            num_scheduled_tokens: step.work.total_tokens,
+        };
+        self.sched.finish_step(&step, &mut outcome.finished);
+        let s = &mut self.stats;
+        s.steps += 1;
+        s.busy_sec += duration_sec;
+        s.preemptions += step.preempted.len() as u64;
+        s.scheduled_tokens += step.work.total_tokens;
+        s.prefill_tokens += step.work.prefill_tokens;
+        s.finished += outcome.finished.len() as u64;
+        self.step_scratch = step;
+        Some(outcome)
+    }
+
+    /// O(1): the same fields the real plugin's usage probe answers.
+    pub fn usage(&self) -> UsageReport {
+        let pool = &self.sched.kv.pool;
+        UsageReport {
+            kv_cache_usage: pool.usage(),
+            num_blocks: u64::from(pool.num_blocks() - 1),
+            num_free_blocks: u64::from(pool.num_free_blocks()),
+            num_cached_free_blocks: u64::from(pool.num_cached_free_blocks()),
+            block_size: u64::from(self.config.block_size),
+        }
+    }
+
+    /// Read-only: what the real plugin's prefix probe would answer for this prompt now.
+    pub fn probe_prefix(&self, block_hashes: &[BlockHash], prompt_tokens: u32) -> PrefixReport {
+        let hit_blocks = self.sched.kv.count_hit_blocks(block_hashes, prompt_tokens);
+        let hit_tokens = (u64::from(hit_blocks) * u64::from(self.config.block_size))
+            .min(u64::from(prompt_tokens));
+        PrefixReport {
+            hit_ratio: if prompt_tokens == 0 {
+                0.0
+            } else {
+                hit_tokens as f64 / f64::from(prompt_tokens)
+            },
+            hit_blocks: u64::from(hit_blocks),
+            hit_tokens,
+            prompt_tokens: u64::from(prompt_tokens),
+        }
+    }
+
+    /// Running requests.
+    pub fn num_running(&self) -> usize {
+        self.sched.num_running()
+    }
+
+    /// Waiting requests (new and preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.sched.num_waiting()
+    }
+
+    /// Cumulative counters.
+    pub fn stats(&self) -> &ReplicaStats {
+        &self.stats
+    }
+
+    /// The scheduler (tests and diagnostics).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+}
