@@ -28,6 +28,7 @@ use std::sync::Arc;
 
 pub mod block_pool;
 pub mod cost;
+pub mod driver;
 pub mod kv_manager;
 pub mod replica;
 pub mod scheduler;
