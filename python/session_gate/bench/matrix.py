@@ -29,8 +29,15 @@ REAL_MODES = "none,cap4,cap8,seed,aimd,aimd-scaled,pause,pause-scaled,gate"
 TWIN_RUNS = (
     ("default", "cpu-tiny"),
     ("mixed", "cpu-tiny"),
+    ("rl-rollout", "h200-qwen2.5-7b"),
+    ("rl-rollout", "h200-qwen2.5-32b"),
+    ("rl-async", "h200-qwen2.5-7b"),
+    ("cheap-prefill", "h200-qwen2.5-7b"),
+    ("long-tool", "h200-qwen2.5-7b"),
 )
+#: Static caps: the real bench's on the CPU-sized workloads, GPU-sized ones on the H200 runs.
 TWIN_MODES = "none,cap4,cap8,seed,aimd,pause,gate"
+TWIN_GPU_MODES = "none,cap16,cap32,cap64,seed,aimd,pause,gate"
 #: Metrics carried into the matrix from each mode's summary.
 KEYS = (
     "engine",
@@ -52,8 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(REAL_WORKLOADS),
         help="real-engine workloads (empty: skip the real engine)",
     )
-    p.add_argument("--twin-modes", default=TWIN_MODES, help=f"default {TWIN_MODES}")
+    p.add_argument("--twin-modes", default=TWIN_MODES, help=f"cpu-tiny; default {TWIN_MODES}")
+    p.add_argument(
+        "--twin-gpu-modes", default=TWIN_GPU_MODES, help=f"H200 profiles; default {TWIN_GPU_MODES}"
+    )
     p.add_argument("--no-twin", action="store_true", help="skip the twin half")
+    p.add_argument(
+        "--twin-runs",
+        default=",".join(f"{w}@{p}" for w, p in TWIN_RUNS),
+        help="the twin's workload@profile pairs",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-matrix.json")
     p.add_argument("--plot", default="bench-matrix.png")
@@ -154,11 +169,13 @@ def run_twin(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 
     table = {**workloads.WORKLOADS, **getattr(workloads, "SCALE_WORKLOADS", {})}
     out: dict[str, list[dict[str, Any]]] = {}
-    for workload_name, profile in TWIN_RUNS:
+    for pair in (r for r in args.twin_runs.split(",") if r):
+        workload_name, _, profile = pair.partition("@")
         workload = table[workload_name](args.seed)
         key = f"{workload_name}@{profile}"
         print(f"twin: {key}", flush=True)
-        out[key] = [simulate(workload, m, profile).summary() for m in modes(args.twin_modes)]
+        names = args.twin_modes if profile == "cpu-tiny" else args.twin_gpu_modes
+        out[key] = [simulate(workload, m, profile).summary() for m in modes(names)]
     return out
 
 
