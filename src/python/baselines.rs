@@ -106,7 +106,9 @@ impl PyAimd {
 
     /// Queue an episode to start.
     fn submit(&mut self, session_id: &str) -> PyResult<()> {
-        no_panic("AimdController.submit", || Ok(self.inner.submit(session_id)?))
+        no_panic("AimdController.submit", || {
+            Ok(self.inner.submit(session_id)?)
+        })
     }
 
     /// The queued episodes to start now.
@@ -246,7 +248,9 @@ impl PyPause {
 
     /// The session ended; whether it was known.
     fn finish(&mut self, session_id: &str) -> PyResult<bool> {
-        no_panic("PauseController.finish", || Ok(self.inner.finish(session_id)))
+        no_panic("PauseController.finish", || {
+            Ok(self.inner.finish(session_id))
+        })
     }
 
     /// One scheduler tick: a dict of lists (`resumed`, `forced`, `paused`, `marked`, `expired`).
