@@ -103,6 +103,19 @@ def test_the_matrix_computes_regret_against_the_best_mode_and_judges_targets():
     assert not t["gate_over_none_makespan"]["met"], "5% slower than no gate on b"
 
 
+def test_the_twin_runs_the_baselines_with_literal_constants_only():
+    from session_gate.sim.twin import run_twin
+
+    w = small_workload()
+    for name in ("aimd", "pause"):
+        result = run_twin(w, Mode.parse(name), "cpu-tiny")
+        assert_every_turn_ran_once(result, w)
+        s = result.summary()
+        assert s["engine"] == "twin:cpu-tiny" and s["lost_tokens"] >= 0
+    with pytest.raises(ValueError, match="literal time constants"):
+        run_twin(w, Mode.parse("pause-scaled"), "cpu-tiny")
+
+
 # --------------------------------------------------------------------------- the real engine
 
 pytestmark_engine = pytest.mark.asyncio(loop_scope="module")

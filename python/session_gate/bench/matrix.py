@@ -69,6 +69,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=",".join(f"{w}@{p}" for w, p in TWIN_RUNS),
         help="the twin's workload@profile pairs",
     )
+    p.add_argument(
+        "--load",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="rebuild the matrix from earlier --out files instead of running anything",
+    )
+    p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-matrix.json")
     p.add_argument("--plot", default="bench-matrix.png")
@@ -181,13 +189,21 @@ def run_twin(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    by_workload = run_real(args)
-    if not args.no_twin:
-        by_workload.update(run_twin(args))
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    if args.load:
+        for path in args.load:
+            with open(path) as f:
+                by_workload.update(json.load(f)["workloads"])
+    else:
+        by_workload = run_real(args)
+        if not args.no_twin:
+            by_workload.update(run_twin(args))
     matrix = build(by_workload)
     worst = worst_regret(matrix)
     goals = targets(matrix)
     print("\n" + report.matrix_table(matrix, worst))
+    if args.markdown:
+        print("\n" + report.matrix_table(matrix, worst, markdown=True))
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
     with open(args.out, "w") as f:
         json.dump(
