@@ -103,6 +103,26 @@ def test_the_matrix_computes_regret_against_the_best_mode_and_judges_targets():
     assert not t["gate_over_none_makespan"]["met"], "5% slower than no gate on b"
 
 
+def test_the_matrix_rebuilds_from_saved_runs_merging_modes_of_a_workload(tmp_path, capsys):
+    import json
+
+    from session_gate.bench import matrix
+
+    def row(mode, makespan):
+        return {"mode": mode, "engine": "twin:cpu-tiny", "makespan_sec": makespan,
+                "hit_rate": 0.5, "ideal_hit_rate": 0.9, "recompute_ratio": 2.0,
+                "lost_tokens": 0, "cancellations": 0, "late_turn_p90_sec": 1.0}  # fmt: skip
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"workloads": {"w": [row("none", 10.0), row("gate", 9.0)]}}))
+    b.write_text(json.dumps({"workloads": {"w": [row("gate", 8.0), row("pause", 12.0)]}}))
+    out = tmp_path / "m.json"
+    matrix.main(["--load", str(a), str(b), "--out", str(out), "--plot", str(tmp_path / "m.png")])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["worst_regret"] == {"gate": 1.0, "none": 1.25, "pause": 1.5}
+    assert (tmp_path / "m.png").stat().st_size > 0
+
+
 def test_the_twin_runs_the_baselines_with_literal_constants_only():
     from session_gate.sim.twin import run_twin
 

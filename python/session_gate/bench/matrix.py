@@ -37,7 +37,7 @@ TWIN_RUNS = (
 )
 #: Static caps: the real bench's on the CPU-sized workloads, GPU-sized ones on the H200 runs.
 TWIN_MODES = "none,cap4,cap8,seed,aimd,pause,gate"
-TWIN_GPU_MODES = "none,cap16,cap32,cap64,seed,aimd,pause,gate"
+TWIN_GPU_MODES = "none,cap16,cap32,cap64,cap128,cap256,seed,aimd,pause,gate"
 #: Metrics carried into the matrix from each mode's summary.
 KEYS = (
     "engine",
@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         default=[],
         metavar="JSON",
-        help="rebuild the matrix from earlier --out files instead of running anything",
+        help="rebuild the matrix from earlier --out files instead of running anything "
+        "(runs of one workload merge, a mode run again replaces the earlier)",
     )
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--seed", type=int, default=0)
@@ -193,7 +194,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.load:
         for path in args.load:
             with open(path) as f:
-                by_workload.update(json.load(f)["workloads"])
+                for workload, summaries in json.load(f)["workloads"].items():
+                    # Runs of the same workload merge; a mode run again replaces the earlier.
+                    rows = {s["mode"]: s for s in by_workload.get(workload, [])}
+                    rows.update({s["mode"]: s for s in summaries})
+                    by_workload[workload] = list(rows.values())
     else:
         by_workload = run_real(args)
         if not args.no_twin:
