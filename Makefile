@@ -8,7 +8,8 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy sim sim-fidelity bench-sim clean
+.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
+	sim sim-fidelity bench-sim sim-calibrate bench-sim-replica clean
 
 setup:
 	bash scripts/setup.sh
@@ -95,6 +96,16 @@ sim-fidelity: setup
 # The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
 bench-sim: setup
 	$(PY) -m session_gate.sim.speed
+
+# Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
+# engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
+sim-calibrate: setup
+	$(PY) -m session_gate.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
+
+# The replica twin's speed: 1,000 sessions x 30 turns on a 126,000-block H200 replica, simulated
+# time against wall time of the same run; the last line is JSON.
+bench-sim-replica:
+	cargo run --release --quiet --example sim_replica_speed
 
 clean:
 	cargo clean

@@ -24,10 +24,14 @@ __all__ = [
     "ProbeEngine",
     "ProbePrefix",
     "ProbeUsage",
+    "SimKvManager",
+    "SimReplica",
     "Wait",
     "count_cached_free_blocks",
     "hash_block",
     "hash_blocks",
+    "sim_profile_step_times",
+    "sim_step_features",
     "validate_prompt",
 ]
 
@@ -352,3 +356,68 @@ class PauseController:
     @property
     def next_forced_resume(self) -> float | None: ...
     def stats(self) -> dict[str, int]: ...
+
+# --------------------------------------------------------------------------- twin (sim_pool.rs)
+
+#: One scheduled request: (scheduled tokens, computed before, num_tokens, num_output_tokens).
+_StepEntry: TypeAlias = tuple[int, int, int, int]
+
+@final
+class SimKvManager:
+    """The twin's KV-cache manager (vLLM 0.32's ``KVCacheManager`` over one full-attention
+    group), for the differential test against vLLM."""
+
+    def __new__(cls, num_blocks: int, block_size: int, max_model_len: int) -> SimKvManager: ...
+    def lookup(self, block_hashes: Sequence[int], num_tokens: int) -> list[int]:
+        """Blocks of the longest prefix hit, capped at ``(num_tokens - 1) // block_size``."""
+    def allocate(
+        self,
+        req_id: int,
+        num_computed: int,
+        num_new_tokens: int,
+        hit: Sequence[int],
+        num_tokens: int,
+        block_hashes: Sequence[int],
+        full_sequence_must_fit: bool,
+    ) -> bool:
+        """``allocate_slots``; False (nothing changed) when the blocks are not there."""
+    def free(self, req_id: int) -> None:
+        """Frees the request's blocks tail first; ``KeyError`` if unknown."""
+    def req_blocks(self, req_id: int) -> list[int]: ...
+    def free_queue(self) -> list[int]:
+        """Free blocks, front (allocated next) to back."""
+    def cached_map(self) -> list[tuple[int, int]]:
+        """Sorted ``(hash, block)`` pairs."""
+    def ref_counts(self) -> list[int]: ...
+    def usage(self) -> tuple[int, int, float]:
+        """``(num_free_blocks, num_cached_free_blocks, usage)``."""
+
+@final
+class SimReplica:
+    """One modelled vLLM replica, stepped by hand (tests)."""
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        profile: str = "cpu-tiny",
+    ) -> SimReplica: ...
+    def add_request(
+        self, id: int, prompt_tokens: int, max_tokens: int, block_hashes: Sequence[int]
+    ) -> None: ...
+    def step(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int], float] | None:
+        """``(scheduled [(id, n)], finished [(id, num_cached_tokens)], preempted, seconds)``."""
+    def abort_request(self, id: int) -> bool: ...
+
+def sim_step_features(entries: Sequence[_StepEntry]) -> list[float]:
+    """The cost model's regressors for one step: 1, sequences, tokens, sum c*(p + c/2),
+    sum of decode contexts."""
+
+def sim_profile_step_times(
+    path: str, text: str, steps: Sequence[Sequence[_StepEntry]]
+) -> list[float]:
+    """Step times the profile (TOML ``text``; ``path`` names it in errors) predicts."""

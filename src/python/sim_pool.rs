@@ -1,6 +1,7 @@
 //! The twin's KV-cache manager and cost model for Python tests and calibration:
 //! `SimKvManager` (driven side by side with vLLM's real `KVCacheManager` in
-//! `tests/python/test_sim_block_pool.py`), `sim_step_features` and `sim_profile_step_times`
+//! `tests/python/test_sim_block_pool.py`), `SimReplica` (driven beside vLLM's real `Scheduler`
+//! in `tests/python/test_sim_scheduler_vllm.py`), `sim_step_features` and `sim_profile_step_times`
 //! (used by `session_gate.sim.calibrate` to fit and check a profile with the Rust code that
 //! runs it). A thin skin: no logic of its own.
 use std::collections::HashMap;
@@ -11,7 +12,7 @@ use pyo3::prelude::*;
 use super::guard::no_panic;
 use crate::sim::block_pool::BlockId;
 use crate::sim::kv_manager::{KvManager, ReqKv};
-use crate::sim::{BlockHash, CostModel, StepWork};
+use crate::sim::{BlockHash, CostModel, Replica, ReplicaConfig, SimRequest, StepWork};
 
 /// The twin's KV-cache manager with per-request block lists keyed by an integer id.
 #[pyclass(name = "SimKvManager", module = "session_gate._native", unsendable)]
@@ -120,6 +121,84 @@ impl SimKvManager {
     }
 }
 
+/// One modelled replica, step by step (tests; the driver's simulations go through `sim.rs`).
+#[pyclass(name = "SimReplica", module = "session_gate._native", unsendable)]
+pub(crate) struct SimReplica {
+    inner: Replica,
+}
+
+/// `(scheduled [(id, tokens)], finished [(id, num_cached_tokens)], preempted [id], seconds)`.
+type StepTuple = (Vec<(u64, u32)>, Vec<(u64, u32)>, Vec<u64>, f64);
+
+#[pymethods]
+impl SimReplica {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, profile="cpu-tiny"))]
+    fn new(
+        num_blocks: u32,
+        block_size: u32,
+        max_num_seqs: u32,
+        max_num_batched_tokens: u32,
+        profile: &str,
+    ) -> PyResult<Self> {
+        no_panic("SimReplica()", || {
+            let config = ReplicaConfig {
+                num_blocks,
+                block_size,
+                max_num_seqs,
+                max_num_batched_tokens,
+            };
+            Ok(SimReplica {
+                inner: Replica::new(config, CostModel::profile(profile)?)?,
+            })
+        })
+    }
+
+    /// Adds a request at the back of the waiting queue.
+    fn add_request(
+        &mut self,
+        id: u64,
+        prompt_tokens: u32,
+        max_tokens: u32,
+        block_hashes: Vec<BlockHash>,
+    ) -> PyResult<()> {
+        no_panic("SimReplica.add_request", || {
+            let block_hashes = block_hashes.into();
+            Ok(self.inner.add_request(SimRequest {
+                id,
+                prompt_tokens,
+                max_tokens,
+                block_hashes,
+            })?)
+        })
+    }
+
+    /// Runs one step; `None` when there is nothing to run.
+    fn step(&mut self) -> PyResult<Option<StepTuple>> {
+        no_panic("SimReplica.step", || {
+            Ok(self.inner.step().map(|out| {
+                let scheduled = self
+                    .inner
+                    .last_scheduled()
+                    .iter()
+                    .map(|e| (e.0, e.1))
+                    .collect();
+                let finished = out
+                    .finished
+                    .iter()
+                    .map(|f| (f.id, f.num_cached_tokens))
+                    .collect();
+                (scheduled, finished, out.preempted, out.duration_sec)
+            }))
+        })
+    }
+
+    /// Aborts a request; whether it was live.
+    fn abort_request(&mut self, id: u64) -> bool {
+        self.inner.abort_request(id)
+    }
+}
+
 fn work_of(entries: &[(u32, u32, u32, u32)]) -> StepWork {
     let mut w = StepWork::default();
     for &(n, before, num_tokens, num_output) in entries {
@@ -152,6 +231,7 @@ fn sim_profile_step_times(
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SimKvManager>()?;
+    m.add_class::<SimReplica>()?;
     m.add_function(wrap_pyfunction!(sim_step_features, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_step_times, m)?)?;
     Ok(())

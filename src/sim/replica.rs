@@ -197,6 +197,12 @@ impl Replica {
         &self.stats
     }
 
+    /// What the last step scheduled: `(request id, tokens, computed before)` in scheduling
+    /// order (empty before the first step).
+    pub fn last_scheduled(&self) -> &[(u64, u32, u32)] {
+        &self.step_scratch.entries
+    }
+
     /// The scheduler (tests and diagnostics).
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched

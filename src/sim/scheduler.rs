@@ -20,9 +20,9 @@
 //! `num_cached_tokens` (what the engine reports in the request's final output) is the prefix hit
 //! found when the request is admitted for the first time; a request preempted and re-admitted
 //! keeps that first value (`PrefillStats.set` runs only while `num_preemptions == 0`).
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
-use super::block_pool::BlockId;
+use super::block_pool::{BlockId, IdMap};
 use super::cost::StepWork;
 use super::kv_manager::{KvManager, ReqKv};
 use super::{FinishedRequest, SimRequest};
@@ -70,7 +70,7 @@ pub struct Scheduler {
     /// The KV-cache manager (public for probes).
     pub kv: KvManager,
     limits: SchedulerLimits,
-    reqs: HashMap<u64, ReqState>,
+    reqs: IdMap<u64, ReqState>,
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     hit_scratch: Vec<BlockId>,
@@ -84,7 +84,7 @@ impl Scheduler {
         Scheduler {
             kv,
             limits,
-            reqs: HashMap::new(),
+            reqs: IdMap::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             hit_scratch: Vec::new(),

@@ -106,8 +106,14 @@ def time_steps(
         for rid, n in out.num_scheduled_tokens.items():
             req = sched.requests[rid]
             # schedule() already advanced num_computed_tokens by n (_update_after_schedule).
-            entries.append((int(n), int(req.num_computed_tokens - n), int(req.num_tokens),
-                            int(req.num_output_tokens)))
+            entries.append(
+                (
+                    int(n),
+                    int(req.num_computed_tokens - n),
+                    int(req.num_tokens),
+                    int(req.num_output_tokens),
+                )
+            )
         captured.append(entries)
         return out
 
@@ -154,6 +160,6 @@ def time_steps(
                 steps.append(TimedStep(sc.name, seconds, captured[0]))
     finally:
         sched.schedule = original
-        del llm, engine, core, sched
+        del llm, engine, core
         gc.collect()
     return steps

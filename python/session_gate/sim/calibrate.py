@@ -18,10 +18,10 @@ import datetime as dt
 import json
 import platform
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-
 from session_gate import _native
 
 #: Fitted coefficients, in the order of ``StepWork::features`` (weights_sec is 0 on CPU).
@@ -49,10 +49,17 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """Coefficients minimising the squared relative error of every step."""
+def fit(features: np.ndarray, seconds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Coefficients minimising the squared relative error of every step, and which steps the
+    fit kept: one refit without the steps that ran far slower than the first fit predicts
+    (stalls from other work on a shared machine, garbage collection), since the twin should
+    model the engine, not the noise."""
     w = 1.0 / seconds
-    return nnls(features * w[:, None], seconds * w)
+    coef = nnls(features * w[:, None], seconds * w)
+    excess = (seconds - features @ coef) / seconds
+    keep = excess < max(3 * float(np.median(np.abs(excess))), 0.05)
+    coef = nnls(features[keep] * w[keep, None], seconds[keep] * w[keep])
+    return coef, keep
 
 
 def profile_toml(coef: np.ndarray, note: str, shape: dict[str, int]) -> str:
@@ -61,7 +68,7 @@ def profile_toml(coef: np.ndarray, note: str, shape: dict[str, int]) -> str:
         f"# Fitted by `python -m session_gate.sim.calibrate` ({note}).",
         "# Re-fit on your machine with `make sim-calibrate`.",
         'name = "cpu-tiny"',
-        'description = "tiny 2-layer Llama (dummy weights) on vLLM\'s CPU backend, fitted on '
+        "description = \"tiny 2-layer Llama (dummy weights) on vLLM's CPU backend, fitted on "
         f'{platform.machine()} ({_cpus()} CPUs)"',
         "",
         "[replica]",
@@ -97,33 +104,52 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+@dataclass
+class _Step:
+    scenario: str
+    seconds: float
+    entries: list[tuple[int, int, int, int]]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m session_gate.sim.calibrate", description=__doc__)
     p.add_argument("--out", default="cpu-tiny.toml", help="where to write the profile TOML")
     p.add_argument("--repeats", type=int, default=2, help="runs of every scenario")
     p.add_argument("--quick", action="store_true", help="a few scenarios only (smoke test)")
     p.add_argument("--max-prompt", type=int, default=8000)
+    p.add_argument("--steps-json", help="also write every timed step here (for --from-steps)")
+    p.add_argument("--from-steps", help="fit steps saved by --steps-json; starts no engine")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from session_gate.engine.step_timing import calibration_scenarios, time_steps
-
-    scenarios = calibration_scenarios(args.max_prompt)
-    if args.quick:
-        keep = {"prefill-128", "prefill-2048", "cached-1024+512", "decode-4x64", "decode-1x1024"}
-        scenarios = [s for s in scenarios if s.name in keep]
     shape = dict(num_blocks=1024, block_size=32, max_num_seqs=16, max_num_batched_tokens=8192)
-    steps = time_steps(
-        scenarios,
-        repeats=args.repeats,
-        **shape,
-        progress=lambda name: print(f"  timing {name}", file=sys.stderr, flush=True),
-    )
+    if args.from_steps:
+        with open(args.from_steps) as f:
+            steps = [
+                _Step(d["scenario"], d["seconds"], [tuple(e) for e in d["entries"]])
+                for d in json.load(f)
+            ]
+    else:
+        from session_gate.engine.step_timing import calibration_scenarios, time_steps
+
+        scenarios = calibration_scenarios(args.max_prompt)
+        if args.quick:
+            keep = {"prefill-128", "prefill-2048", "cached-1024+512", "decode-4x64"}
+            scenarios = [s for s in scenarios if s.name in keep]
+        steps = time_steps(
+            scenarios,
+            repeats=args.repeats,
+            **shape,
+            progress=lambda name: print(f"  timing {name}", file=sys.stderr, flush=True),
+        )
+    if args.steps_json:
+        with open(args.steps_json, "w") as f:
+            json.dump([vars(s) for s in steps], f)
     feats = np.array([_native.sim_step_features(s.entries) for s in steps])
     secs = np.array([s.seconds for s in steps])
-    coef = fit(feats, secs)
+    coef, kept = fit(feats, secs)
     pred = feats @ coef
     rel = np.abs(pred - secs) / secs
     by_scenario: dict[str, list[float]] = {}
@@ -154,7 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"fit over {len(steps)} steps: per-step mean abs error {rel.mean():.1%} "
         f"(median {np.median(rel):.1%}, p90 {np.quantile(rel, 0.9):.1%}); "
         f"total time {secs.sum():.3f} s measured vs {pred.sum():.3f} s model ({total_err:+.1%}); "
-        f"worst scenario {max(scen_err.values(), key=abs):+.1%}"
+        f"worst scenario {max(scen_err.values(), key=abs):+.1%}; "
+        f"{int((~kept).sum())} stalled steps left out of the fit"
     )
     print(f"wrote {args.out}")
     result = {
@@ -166,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_median_abs_error": float(np.median(rel)),
         "total_time_error": float(total_err),
         "worst_scenario_error": float(max(scen_err.values(), key=abs)),
+        "steps_left_out": int((~kept).sum()),
     }
     print(json.dumps(result))
     return result
