@@ -98,6 +98,9 @@ def test_the_matrix_computes_regret_against_the_best_mode_and_judges_targets():
     )
     assert m["a"]["gate"]["regret"] == 1.0 and m["a"]["none"]["regret"] == 1.5
     assert worst_regret(m) == {"gate": 1.05, "aimd": 1.25, "none": 1.5}
+    m["b"].pop("aimd")
+    assert worst_regret(m) == {"gate": 1.05, "none": 1.5}
+    assert worst_regret(m, complete=False) == {"aimd": 1.25}
     t = targets(m)
     assert t["gate_worst_regret"]["met"] and t["gate_lowest_worst_regret"]["met"]
     assert not t["gate_over_none_makespan"]["met"], "5% slower than no gate on b"

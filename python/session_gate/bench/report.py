@@ -178,10 +178,12 @@ def _simulated(engine: Any) -> bool:
 def matrix_table(
     matrix: dict[str, dict[str, dict[str, Any]]],
     worst: dict[str, float],
+    partial: dict[str, float] | None = None,
     markdown: bool = False,
 ) -> str:
     """Every workload x mode with its regret (makespan over the workload's best), then each
-    mode's worst-case regret. Twin rows say "simulated"."""
+    mode's worst-case regret (``partial``: modes that did not run on every workload). Twin rows
+    say "simulated"."""
     head = ["workload", "engine", "mode"] + [h for _, h, _ in MATRIX_COLUMNS]
     rows = []
     for workload, modes in matrix.items():
@@ -190,7 +192,13 @@ def matrix_table(
             rows.append(
                 [workload, engine, mode] + [fmt.format(r[k]) for k, _, fmt in MATRIX_COLUMNS]
             )
-    worst_line = "worst-case regret: " + ", ".join(f"{m} {v:.2f}" for m, v in worst.items())
+    worst_line = "worst-case regret (modes run on every workload): " + ", ".join(
+        f"{m} {v:.2f}" for m, v in worst.items()
+    )
+    if partial:
+        worst_line += "; on the workloads they ran on: " + ", ".join(
+            f"{m} {v:.2f}" for m, v in partial.items()
+        )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
