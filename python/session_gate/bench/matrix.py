@@ -137,7 +137,8 @@ def targets(matrix: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         gate, none = rows.get("gate"), rows.get("none")
         if gate and none:
             slower[workload] = gate["makespan_sec"] / none["makespan_sec"]
-        if gate and str(gate["engine"]).startswith("twin:h200"):
+        # The H200 target is for the twin's agentic RL workloads (rl-rollout, rl-async).
+        if gate and str(gate["engine"]).startswith("twin:h200") and workload.startswith("rl-"):
             entry: dict[str, Any] = {}
             if none:
                 entry["speedup_over_none"] = none["makespan_sec"] / gate["makespan_sec"]
