@@ -80,6 +80,16 @@ bench-gate: setup
 bench-proxy: setup
 	$(PY) -m session_gate.bench_proxy
 
+# Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
+# engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
+sim-calibrate: setup
+	$(PY) -m session_gate.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
+
+# The replica twin's speed: 1,000 sessions x 30 turns on a 126,000-block H200 replica, simulated
+# time against wall time of the same run; the last line is JSON.
+bench-sim-replica:
+	cargo run --release --quiet --example sim_replica_speed
+
 # The replica twin's GPU projection (SIMULATED): the agentic RL workloads on one H200 with two
 # models, every mode: the twin's speed first, then table + JSON + PNG; last line JSON.
 SIM_MODES := none,cap4,cap8,cap16,cap32,cap64,seed,gate
@@ -96,16 +106,6 @@ sim-fidelity: setup
 # The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
 bench-sim: setup
 	$(PY) -m session_gate.sim.speed
-
-# Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
-# engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
-sim-calibrate: setup
-	$(PY) -m session_gate.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
-
-# The replica twin's speed: 1,000 sessions x 30 turns on a 126,000-block H200 replica, simulated
-# time against wall time of the same run; the last line is JSON.
-bench-sim-replica:
-	cargo run --release --quiet --example sim_replica_speed
 
 clean:
 	cargo clean

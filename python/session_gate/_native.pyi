@@ -30,8 +30,10 @@ __all__ = [
     "count_cached_free_blocks",
     "hash_block",
     "hash_blocks",
+    "sim_profile_names",
     "sim_profile_step_times",
     "sim_step_features",
+    "simulate",
     "validate_prompt",
 ]
 
@@ -421,3 +423,32 @@ def sim_profile_step_times(
     path: str, text: str, steps: Sequence[Sequence[_StepEntry]]
 ) -> list[float]:
     """Step times the profile (TOML ``text``; ``path`` names it in errors) predicts."""
+
+# --------------------------------------------------------------------------- twin (sim.rs)
+
+#: A session for ``simulate``: (session_id, system_tokens, task_tokens, arrival,
+#: [(append, output, tool_latency), ...]).
+_SimSession: TypeAlias = tuple[str, int, int, float, Sequence[tuple[int, int, float]]]
+
+def simulate(
+    sessions: Sequence[_SimSession],
+    mode: str,
+    *,
+    cap: int = 0,
+    config: GateConfig | None = None,
+    profile: str | None = None,
+    profile_path: str | None = None,
+    profile_text: str | None = None,
+    num_blocks: int | None = None,
+    block_size: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    seed: int = 0,
+) -> dict[str, object]:
+    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``) of a workload on the twin: the
+    built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape unless a shape
+    field is given. Returns ``records`` (columns), ``makespan_sec``, ``gate_stats`` (or None),
+    ``replica_stats``, ``profile`` and ``wall_sec``. The GIL is released while it runs."""
+
+def sim_profile_names() -> list[str]:
+    """The built-in twin profiles."""

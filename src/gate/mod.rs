@@ -15,6 +15,8 @@ pub mod types;
 pub use self::config::{GateConfig, Pressure};
 pub use self::core::GateCore;
 pub use self::driver::{Gate, Lease, Probe, ProbeFuture};
+/// A time with a total order (heap and map key), shared with the twin's event loop.
+pub(crate) use self::ledger::TimeKey;
 pub use self::metrics::GateStats;
 pub use self::types::{
     Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,

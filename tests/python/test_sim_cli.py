@@ -24,8 +24,21 @@ BENCH_KEYS = set(ModeResult("m", "w", 1.0).summary())
 def test_the_cli_prints_simulated_tables_and_writes_the_bench_schema(tmp_path):
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "session_gate.sim", "--trace", str(EXAMPLE), "--modes",
-         "none,cap2,seed,gate", "--idle-grace-sec", "30", "--out", str(out), "--plot", str(plot)],
+        [
+            sys.executable,
+            "-m",
+            "session_gate.sim",
+            "--trace",
+            str(EXAMPLE),
+            "--modes",
+            "none,cap2,seed,gate",
+            "--idle-grace-sec",
+            "30",
+            "--out",
+            str(out),
+            "--plot",
+            str(plot),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -76,8 +89,17 @@ def test_the_twin_is_deterministic_and_the_gate_keeps_more_prefix_than_no_gate()
 
 def test_tune_finds_a_setting_no_worse_than_the_defaults(capsys):
     sim_main.main(
-        ["tune", "--trace", str(EXAMPLE), "--grid", "high_watermark=0.5,0.9",
-         "--grid", "hit_threshold=0.8", "--grid", "idle-grace-sec=5,60"]
+        [
+            "tune",
+            "--trace",
+            str(EXAMPLE),
+            "--grid",
+            "high_watermark=0.5,0.9",
+            "--grid",
+            "hit_threshold=0.8",
+            "--grid",
+            "idle-grace-sec=5,60",
+        ]
     )
     out = capsys.readouterr().out.strip().splitlines()
     last = json.loads(out[-1])

@@ -128,7 +128,7 @@ def plot(by_workload: dict[str, list[dict[str, Any]]], path: str) -> None:
         workload = name
         if any(is_simulated(s) for s in summaries):
             simulated = True
-            workload = f"{name} [SIMULATED, {engine_label(summaries)}]"
+            workload = f"{name} [SIMULATED]"
         for s in summaries:
             turns = sorted(s["latency_by_turn"])
             lat.plot(

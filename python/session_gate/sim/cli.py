@@ -71,6 +71,11 @@ def shape_of(args: argparse.Namespace) -> dict[str, int]:
 
 
 def workloads_of(args: argparse.Namespace) -> list[Workload]:
+    """The workloads asked for; checks the profiles too, so a typo fails before any run."""
+    from session_gate.sim.twin import profile_args
+
+    for profile in args.profile:
+        profile_args(profile)
     names = args.workload
     if names is None:
         names = [] if args.trace else ["default", "mixed"]

@@ -18,8 +18,8 @@ import asyncio
 import json
 from typing import Any
 
-from session_gate.bench.modes import Mode
 from session_gate.bench.workloads import WORKLOADS
+from session_gate.sim import cli
 from session_gate.sim.twin import run_twin
 
 MODES = "none,cap4,cap8,seed,gate"
@@ -36,10 +36,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--real-out", default="sim-fidelity-real.json")
     p.add_argument("--out", default="sim-fidelity.json")
     args = p.parse_args(argv)
-    try:
-        args.mode_list = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
-    except ValueError as exc:
-        p.error(str(exc))
+    args.mode_list = cli.modes_of(p, args.modes)
     if "none" not in {m.name for m in args.mode_list}:
         p.error("the modes must include none (makespans are compared as ratios to it)")
     return args

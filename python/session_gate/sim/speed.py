@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     out = {"machine": machine, "sessions": len(workload.sessions), "turns": turns, "modes": {}}
     for name in args.modes.split(","):
         started = time.perf_counter()
-        result = run_twin(workload, Mode.parse(name), args.profile, shape={"num_blocks": args.num_blocks})
+        result = run_twin(
+            workload, Mode.parse(name), args.profile, shape={"num_blocks": args.num_blocks}
+        )
         total = time.perf_counter() - started
         native = result.replica_stats["wall_sec"]
         speedup = result.makespan_sec / native

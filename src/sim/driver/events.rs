@@ -1,33 +1,10 @@
 //! Virtual time and the client events waiting on it: a min-heap ordered by time, then by the
 //! order the events were scheduled in (so equal times replay deterministically).
-use std::cmp::{Ordering, Reverse};
+use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use super::mode::SessionIx;
-
-/// A virtual time with a total order (`f64::total_cmp`), usable as a heap key.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Time(pub(crate) f64);
-
-impl PartialEq for Time {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-
-impl Eq for Time {}
-
-impl PartialOrd for Time {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Time {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.0.total_cmp(&other.0)
-    }
-}
+pub(crate) use crate::gate::TimeKey as Time;
 
 /// Something a client does at a given time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
