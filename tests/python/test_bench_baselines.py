@@ -181,14 +181,15 @@ async def test_aimd_cancels_youngest_episodes_and_reruns_them_with_lost_work_cou
     w = small_workload()
     # A hair-trigger hard cap (any usage over 1% cancels down to one episode, every poll) and a
     # huge growth factor (one clear completion lets everyone back in): episodes keep being
-    # cancelled after they completed turns, and the oldest always survives, so the run ends.
+    # cancelled, and the oldest always survives, so the run ends. Polls 1.5 s apart leave the
+    # episodes time to finish turns (~0.3 s each here) before the cut, so work is lost.
     knobs = dict(
         initial_inflight=6.0,
         cut_usage=0.01,
         cancel_usage=0.02,
         cut_target=0.001,
         cooldown_polls=0,
-        poll_interval_sec=0.5,
+        poll_interval_sec=1.5,
         growth=100.0,
     )
     result = await asyncio.wait_for(run_mode(engine, w, Mode.parse("aimd"), None, knobs=knobs), 300)
