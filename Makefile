@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
-	sim sim-fidelity bench-sim sim-calibrate bench-sim-replica clean
+	bench-clients sim sim-fidelity bench-sim sim-calibrate bench-sim-replica clean
 
 setup:
 	bash scripts/setup.sh
@@ -79,6 +79,13 @@ bench-gate: setup
 # `session-gate proxy` in one run; the last line is JSON (p50/p99 of both and the difference).
 bench-proxy: setup
 	$(PY) -m session_gate.bench_proxy
+
+# One gate per engine: the default workload's sessions split among 4 client processes against one
+# vllm serve, each with a local gate, all through the engine gate, and with no gate (plus the
+# single-client gate); then the middleware's added latency and the engine-loop cost of admit.
+# The last line is JSON.
+bench-clients: setup
+	$(PY) -m session_gate.bench.clients --clients 4 --workload default
 
 # Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
 # engine, fits the step-time coefficients, prints the fit error, rewrites the profile.

@@ -24,27 +24,37 @@ if TYPE_CHECKING:
     from ._native import GateConfig
     from .errors import AdmissionPreempted, SessionGateError
     from .gate import Lease, SessionGate
+    from .http_gate import HttpGate
     from .http_probe import HttpProbe
     from .probes import EngineProbe, Probe
+    from .remote_gate import AdmissionExpired, EngineGate, RemoteLease
 
 __all__ = [
+    "AdmissionExpired",
     "AdmissionPreempted",
+    "EngineGate",
     "EngineProbe",
     "GateConfig",
+    "HttpGate",
     "HttpProbe",
     "Lease",
     "Probe",
+    "RemoteLease",
     "SessionGate",
     "SessionGateError",
 ]
 
 _HOME = {
+    "AdmissionExpired": "remote_gate",
     "AdmissionPreempted": "errors",
+    "EngineGate": "remote_gate",
+    "HttpGate": "http_gate",
     "EngineProbe": "probes",
     "GateConfig": "_native",
     "HttpProbe": "http_probe",
     "Lease": "gate",
     "Probe": "probes",
+    "RemoteLease": "remote_gate",
     "SessionGate": "gate",
     "SessionGateError": "errors",
 }

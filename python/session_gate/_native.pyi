@@ -35,6 +35,7 @@ __all__ = [
     "sim_step_features",
     "simulate",
     "validate_prompt",
+    "prompt_length",
 ]
 
 __version__: Final[str]
@@ -90,6 +91,9 @@ def hash_blocks(
 
 def validate_prompt(token_ids: _TokenIds, vocab_size: int, max_model_len: int) -> list[int]:
     """The prompt as a list of ints, validated exactly as the native probe validates it."""
+
+def prompt_length(token_ids: _TokenIds, vocab_size: int, max_model_len: int) -> int:
+    """The prompt's length, validated as :func:`validate_prompt` validates it (no list built)."""
 
 # --------------------------------------------------------------------------- gate
 

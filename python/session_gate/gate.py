@@ -136,6 +136,11 @@ class Lease:
         self._released = True
         return self._gate._release(self._admit.lease)
 
+    async def arelease(self) -> bool:
+        """:meth:`release`, awaitable: the same call as ``RemoteLease.arelease`` (the engine
+        gate's leases), so code and ``async with`` serve both kinds of lease."""
+        return self.release()
+
     def __repr__(self) -> str:
         state = "released" if self._released else "held"
         return (
@@ -155,16 +160,17 @@ class Lease:
 
 
 class _Admission:
-    """``async with gate.admit(...) as lease``: acquire on enter, release on exit."""
+    """``async with gate.admit(...) as lease``: acquire on enter, release on exit (for
+    ``SessionGate`` and the engine gate's clients alike)."""
 
     __slots__ = ("_gate", "_args", "_lease")
 
-    def __init__(self, gate: SessionGate, args: tuple[Any, ...]) -> None:
+    def __init__(self, gate: Any, args: tuple[Any, ...]) -> None:
         self._gate = gate
         self._args = args
-        self._lease: Lease | None = None
+        self._lease: Any = None
 
-    async def __aenter__(self) -> Lease:
+    async def __aenter__(self) -> Any:
         session_id, prompt_ids, max_tokens, retain_session = self._args
         self._lease = await self._gate.acquire(
             session_id, prompt_ids, max_tokens, retain_session=retain_session
@@ -179,7 +185,7 @@ class _Admission:
     ) -> None:
         lease, self._lease = self._lease, None
         if lease is not None:
-            lease.release()
+            await lease.arelease()
 
 
 class SessionGate:

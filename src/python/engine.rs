@@ -238,11 +238,29 @@ fn validate_prompt(
     })
 }
 
+/// Validates a prompt exactly as [`validate_prompt`] does and returns only its length: the
+/// engine gate needs the count on every admit and must not build a list of ints for it.
+#[pyfunction]
+fn prompt_length(
+    token_ids: &Bound<'_, PyAny>,
+    vocab_size: u64,
+    max_model_len: usize,
+) -> PyResult<usize> {
+    no_panic("prompt_length", || {
+        let limits = TokenLimits {
+            vocab_size,
+            max_model_len,
+        };
+        Ok(read_prompt(token_ids, Some(limits))?.len())
+    })
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ProbeEngine>()?;
     m.add_function(wrap_pyfunction!(count_cached_free_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(hash_block, m)?)?;
     m.add_function(wrap_pyfunction!(validate_prompt, m)?)?;
+    m.add_function(wrap_pyfunction!(prompt_length, m)?)?;
     m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
     Ok(())
 }

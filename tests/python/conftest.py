@@ -3,6 +3,7 @@ server start timeout, plain GETs and Prometheus sample sums."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
@@ -31,6 +32,22 @@ def random_prompt(rng: random.Random, n: int, vocab: int = 4096) -> list[int]:
 @pytest.fixture
 def rng() -> random.Random:
     return random.Random(1234)
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]):
+    """Sets environment variables for the block: engines and servers started inside inherit
+    them (e.g. the engine gate's ``SESSION_GATE_*`` knobs)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def word_ids(start: int, n: int) -> list[int]:

@@ -43,7 +43,8 @@ def test_quick_calibration_writes_a_profile_the_twin_reads(tmp_path):
     text = out.read_text()
     assert "Fitted by `python -m session_gate.sim.calibrate`" in text
     saved = json.loads(steps.read_text())
-    predicted = _native.sim_profile_step_times(str(out), text, [s["entries"] for s in saved])
+    entries = [[tuple(e) for e in s["entries"]] for s in saved]
+    predicted = _native.sim_profile_step_times(str(out), text, entries)
     assert len(predicted) == len(saved) and all(p > 0 for p in predicted)
     # A 2,048-token prefill step costs more than a 4-sequence decode step.
     big = max(range(len(saved)), key=lambda i: saved[i]["entries"][0][0])

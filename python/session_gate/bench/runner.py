@@ -115,11 +115,21 @@ async def run_mode(
     probe: Any,
     progress: Any = None,
     knobs: dict[str, Any] | None = None,
+    *,
+    only: Any = None,
+    admission: Any = None,
+    generate: Any = agenerate,
 ) -> ModeResult:
     """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
-    reset first so every mode starts cold. ``knobs`` override a baseline's defaults."""
-    await llm.reset_prefix_cache()
-    admission = Admission(mode, probe, llm, workload, knobs)
+    reset first so every mode starts cold. ``knobs`` override a baseline's defaults.
+
+    For one of several client processes (``bench.clients``): ``only`` picks the session
+    indices this process drives, ``admission`` replaces the mode's own (the caller reset the
+    cache and closes it), ``generate`` sends a turn (``agenerate``'s signature)."""
+    own = admission is None
+    if admission is None:
+        await llm.reset_prefix_cache()
+        admission = Admission(mode, probe, llm, workload, knobs)
     block = workload.engine.block_size
     rng = random.Random(workload.seed)
     system = [
@@ -165,7 +175,7 @@ async def run_mode(
                 system_seen[0] = True
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
-                    output, cached = await agenerate(
+                    output, cached = await generate(
                         llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}.{attempt}"
                     )
                 kept.append(
@@ -187,10 +197,12 @@ async def run_mode(
                 await asyncio.sleep(turn.tool_latency)
 
     started = time.perf_counter()
+    mine = [(i, s) for i, s in enumerate(workload.sessions) if only is None or i in only]
     try:
-        await asyncio.gather(*(run_session(i, s) for i, s in enumerate(workload.sessions)))
+        await asyncio.gather(*(run_session(i, s) for i, s in mine))
     finally:
-        await admission.close()
+        if own:
+            await admission.close()
     return ModeResult(
         mode.name,
         workload.name,

@@ -33,11 +33,13 @@ from __future__ import annotations
 import json
 import logging
 from argparse import Namespace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from session_gate.engine.gate_driver import BAD_GATE_INPUT
 from session_gate.probes import pack_token_ids
 
 logger = logging.getLogger("session_gate")
@@ -59,7 +61,7 @@ class ProbeError(Exception):
         self.message = message
 
     def response(self) -> JSONResponse:
-        kind = {400: "BadRequestError", 503: "ServiceUnavailableError"}.get(
+        kind = {400: "BadRequestError", 409: "Conflict", 503: "ServiceUnavailableError"}.get(
             self.status, "InternalServerError"
         )
         return JSONResponse(
@@ -77,7 +79,7 @@ def _engine_failure(exc: BaseException) -> ProbeError:
             "the engine-side session_gate plugin is not loaded in vLLM's engine core "
             "(install session-gate where vLLM runs and allow it: VLLM_PLUGINS=session_gate)",
         )
-    if "invalid probe input" in message or "must be a str" in message:
+    if any(tag in message for tag in ("invalid probe input", "must be a str", BAD_GATE_INPUT)):
         # "Call to session_gate_probe method failed: invalid probe input: ..." → the tail.
         return ProbeError(400, message.split("failed: ", 1)[-1])
     return ProbeError(500, f"session_gate probe failed in the engine: {message}")
@@ -89,6 +91,8 @@ class _Routes:
     def __init__(self, engine_client: Any, state: Any) -> None:
         self.engine_client = engine_client
         self.state = state
+        #: The engine gate's lease TTL, once an answer told it (``gate_routes``).
+        self.lease_ttl_sec: float | None = None
 
     async def call(self, method: str, *args: Any) -> Any:
         client = self.engine_client
@@ -179,51 +183,71 @@ async def usage(request: Request) -> Response:
         return err.response()
 
 
+@dataclass
+class PromptInput:
+    """A route's prompt, read by :func:`read_prompt`."""
+
+    session_id: str | None
+    #: Packed little-endian uint32 token ids, as the engine core reads them.
+    packed: bytes
+    #: The ids as a list, when the body gave or tokenized them (None for octet-stream bodies).
+    token_ids: list[int] | None
+    #: The rest of the request: the JSON body, or the query parameters of an octet-stream body.
+    fields: Any
+
+
+async def prompt_ids(routes: _Routes, body: dict[str, Any], request: Request) -> list[int]:
+    """The token ids of a body with exactly one of ``token_ids``, ``prompt`` (text or ids) or
+    ``messages`` (a chat), tokenized as the server's own completions/chat routes would."""
+    given = [k for k in ("token_ids", "prompt", "messages") if k in body]
+    if len(given) != 1:
+        raise ProbeError(400, "the body needs exactly one of token_ids, prompt or messages")
+    if given[0] == "token_ids":
+        return _token_ids(body["token_ids"])
+    if given[0] == "prompt" and isinstance(body["prompt"], list):
+        return _token_ids(body["prompt"])
+    if given[0] == "prompt" and not isinstance(body["prompt"], str):
+        raise ProbeError(400, "prompt must be a string or a list of token ids")
+    if given[0] == "messages" and not isinstance(body["messages"], list):
+        raise ProbeError(400, "messages must be a list of chat messages")
+    token_ids = await routes.tokenize(body, request)
+    if not token_ids:
+        raise ProbeError(400, "the prompt tokenizes to no tokens")
+    return token_ids
+
+
+async def read_prompt(routes: _Routes, request: Request) -> PromptInput:
+    """The prompt of a probe or admit request: an ``application/octet-stream`` body of packed
+    uint32 ids (session id in the ``session_id`` query parameter or ``x-session-id``), or a
+    JSON body for :func:`prompt_ids` with a ``session_id``."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "application/octet-stream":
+        packed = await request.body()
+        if not packed or len(packed) % 4:
+            raise ProbeError(
+                400,
+                f"an octet-stream body must be packed uint32 token ids "
+                f"(a non-zero multiple of 4 bytes), got {len(packed)} bytes",
+            )
+        session_id = request.query_params.get("session_id") or request.headers.get("x-session-id")
+        return PromptInput(session_id, packed, None, request.query_params)
+    body = await _json_body(request, required=True)
+    session_id = _session_id(body.get("session_id"))
+    token_ids = await prompt_ids(routes, body, request)
+    try:
+        packed = pack_token_ids(token_ids)
+    except OverflowError as exc:
+        raise ProbeError(400, f"token ids must fit in uint32: {exc}") from exc
+    return PromptInput(session_id, packed, token_ids, body)
+
+
 async def probe(request: Request) -> Response:
     try:
         routes = _routes(request)
-        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        token_ids: list[int] | None = None
-        if content_type == "application/octet-stream":
-            packed = await request.body()
-            if not packed or len(packed) % 4:
-                raise ProbeError(
-                    400,
-                    f"an octet-stream probe body must be packed uint32 token ids "
-                    f"(a non-zero multiple of 4 bytes), got {len(packed)} bytes",
-                )
-            session_id = request.query_params.get("session_id") or request.headers.get(
-                "x-session-id"
-            )
-            want_ids = False
-        else:
-            body = await _json_body(request, required=True)
-            session_id = _session_id(body.get("session_id"))
-            want_ids = bool(body.get("return_token_ids", False))
-            given = [k for k in ("token_ids", "prompt", "messages") if k in body]
-            if len(given) != 1:
-                raise ProbeError(
-                    400, "the probe body needs exactly one of token_ids, prompt or messages"
-                )
-            if given[0] == "token_ids":
-                token_ids = _token_ids(body["token_ids"])
-            elif given[0] == "prompt" and isinstance(body["prompt"], list):
-                token_ids = _token_ids(body["prompt"])
-            elif given[0] == "prompt" and not isinstance(body["prompt"], str):
-                raise ProbeError(400, "prompt must be a string or a list of token ids")
-            elif given[0] == "messages" and not isinstance(body["messages"], list):
-                raise ProbeError(400, "messages must be a list of chat messages")
-            else:
-                token_ids = await routes.tokenize(body, request)
-                if not token_ids:
-                    raise ProbeError(400, "the prompt tokenizes to no tokens")
-            try:
-                packed = pack_token_ids(token_ids)
-            except OverflowError as exc:
-                raise ProbeError(400, f"token ids must fit in uint32: {exc}") from exc
-        answer = await routes.call("session_gate_probe", session_id, packed)
-        if want_ids:
-            answer["token_ids"] = token_ids
+        prompt = await read_prompt(routes, request)
+        answer = await routes.call("session_gate_probe", prompt.session_id, prompt.packed)
+        if prompt.token_ids is not None and prompt.fields.get("return_token_ids", False):
+            answer["token_ids"] = prompt.token_ids
         return JSONResponse(answer)
     except ProbeError as err:
         return err.response()
@@ -254,6 +278,9 @@ class SessionGateEndpoints:
         router.add_api_route(f"{PREFIX}/usage", usage, methods=["POST"], include_in_schema=True)
         router.add_api_route(f"{PREFIX}/probe", probe, methods=["POST"])
         router.add_api_route(f"{PREFIX}/forget", forget, methods=["POST"])
+        from session_gate.engine import gate_routes  # the engine gate's routes
+
+        gate_routes.attach(router)
         app.include_router(router)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

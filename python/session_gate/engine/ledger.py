@@ -82,4 +82,37 @@ LEDGER: tuple[Patch, ...] = (
             "vllm.entrypoints.serve.engine.protocol:ErrorResponse",
         ),
     ),
+    Patch(
+        symbol="EngineCore.session_gate_admit / _release / _cancel / _finish / _renew / _stats",
+        how="added as new attributes, like the probes; admit may return a "
+        "concurrent.futures.Future, which EngineCoreProc._invoke_utility_method answers later",
+        why="the engine gate lives in the engine core so every client of the engine shares it",
+        removable_when="vLLM offers a plugin hook that registers engine-core utility methods",
+        checks=(
+            "vllm.v1.engine.core:EngineCoreProc._invoke_utility_method",
+            "vllm.v1.engine:EngineCoreRequestType.UTILITY",
+        ),
+    ),
+    Patch(
+        symbol="vllm.v1.engine.core.EngineCore.post_step",
+        how="wrapped once: the original runs, then the engine gate ticks if its timer is due "
+        "(one dict lookup and one attribute read per step otherwise)",
+        why="a busy engine runs no idle callbacks; the gate's waits, grace windows and lease "
+        "TTLs must fire between steps, on the engine thread that owns the block pool",
+        removable_when="vLLM offers a per-step or timer hook for plugins",
+        checks=("vllm.v1.engine.core:EngineCore.post_step",),
+    ),
+    Patch(
+        symbol="EngineCore._idle_state_callbacks, EngineCoreProc.input_queue (WAKEUP)",
+        how="the gate's timer thread appends its tick to the idle callbacks and puts a WAKEUP "
+        "request in the input queue, which unblocks the idle busy loop; vLLM then runs the "
+        "callback on the engine thread",
+        why="an idle engine blocks in input_queue.get(); the gate's timers must still fire",
+        removable_when="vLLM offers a timer hook for plugins",
+        checks=(
+            "vllm.v1.engine.core:EngineCore#_idle_state_callbacks",
+            "vllm.v1.engine.core:EngineCoreProc._notify_idle_state_callbacks",
+            "vllm.v1.engine:EngineCoreRequestType.WAKEUP",
+        ),
+    ),
 )

@@ -15,7 +15,8 @@ _registered = False
 
 
 def register() -> None:
-    """Add the session_gate utility methods to vLLM's ``EngineCore`` (once per process)."""
+    """Add the session_gate utility methods (probes, then the engine gate) to vLLM's
+    ``EngineCore`` (once per process)."""
     global _registered
     if _registered:
         return
@@ -26,3 +27,9 @@ def register() -> None:
         install()
     except Exception as exc:  # never take vLLM down with us
         logger.warning("session_gate: plugin disabled, vLLM serves without probes: %r", exc)
+    try:
+        from session_gate.engine.gate_methods import install as install_gate
+
+        install_gate()
+    except Exception as exc:  # the probes stay up without the engine gate
+        logger.warning("session_gate: engine gate disabled, vLLM serves without it: %r", exc)

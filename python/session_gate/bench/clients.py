@@ -1,0 +1,276 @@
+"""``python -m session_gate.bench.clients --clients K``: the thrash benchmark with its sessions
+split among K client processes, each with its own connection to one ``vllm serve`` (as rollout
+workers would have), instead of one process driving every session.
+
+Modes: ``gate`` (a local ``SessionGate`` + ``HttpProbe`` in each client: every client believes it
+owns the whole cache), ``engine-gate`` (``HttpGate``: the one gate in the engine, shared), ``none``;
+and ``gate@1``, the single-client gate (all sessions in one process) the targets compare against.
+Sessions go to clients round-robin. The table is the bench's own report; the last line is JSON.
+
+Also measured, in the same server run: the middleware's added latency (the same short completion
+with and without ``x-session-id``, gate open) and the engine-loop time of admit + release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from session_gate.bench import report
+from session_gate.bench.modes import Admission, Mode
+from session_gate.bench.runner import ModeResult, TurnRecord, run_mode
+from session_gate.bench.workloads import WORKLOADS
+
+MODES = ("gate", "engine-gate", "none", "gate@1")
+MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
+
+
+class _HttpEngine:
+    """What ``run_mode`` needs from an engine, over ``/v1/completions`` with token ids."""
+
+    def __init__(self, url: str) -> None:
+        import httpx
+
+        self.url = url
+        self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64))
+
+    async def generate(self, _: Any, prompt: list[int], max_tokens: int, request_id: str):
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        r = await self.http.post(f"{self.url}/v1/completions", json=body)
+        r.raise_for_status()
+        out = r.json()
+        details = out["usage"].get("prompt_tokens_details") or {}
+        return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+
+
+def _admission(mode: str, url: str) -> Admission:
+    from session_gate import HttpGate, HttpProbe
+
+    if mode == "engine-gate":
+        admission = Admission(Mode("none", "none"), None)
+        admission.gate = HttpGate(url)
+        return admission
+    kind = "gate" if mode.startswith("gate") else "none"
+    return Admission(Mode(kind, kind), HttpProbe(url))
+
+
+def _client(url: str, workload: str, seed: int, mode: str, only: list[int], queue: Any) -> None:
+    """One client process: drives its sessions and sends back its turn records."""
+
+    async def main() -> list[TurnRecord]:
+        engine = _HttpEngine(url)
+        admission = _admission(mode, url)
+        result = await run_mode(
+            None,
+            WORKLOADS[workload](seed),
+            Mode(mode, "gate" if "gate" in mode else "none"),
+            None,
+            only=set(only),
+            admission=admission,
+            generate=engine.generate,
+        )
+        if hasattr(admission.gate, "aclose"):
+            await admission.gate.aclose()
+        return result.records
+
+    queue.put(asyncio.run(main()))
+
+
+def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeResult:
+    import httpx
+
+    httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+    spec = WORKLOADS[workload](seed)
+    n = len(spec.sessions)
+    k = 1 if mode == "gate@1" else k
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    slices = [list(range(i, n, k)) for i in range(k)]
+    procs = [
+        ctx.Process(target=_client, args=(url, workload, seed, mode, s, queue)) for s in slices
+    ]
+    started = time.perf_counter()
+    for p in procs:
+        p.start()
+    records: list[TurnRecord] = []
+    for _ in procs:
+        records += queue.get()
+    makespan = time.perf_counter() - started
+    for p in procs:
+        p.join()
+    # Each client counts the shared system prompt as unseen once; ideally it is prefilled once.
+    block = spec.engine.block_size
+    firsts = [r for r in records if r.turn == 0 and r.ideal_cached_tokens == 0]
+    system = min(s.system_tokens for s in spec.sessions)
+    for r in firsts[1:]:
+        r.ideal_cached_tokens = (system // block) * block
+    stats = (
+        httpx.get(f"{url}/session_gate/v1/stats", timeout=60).json()
+        if mode == "engine-gate"
+        else {}
+    )
+    return ModeResult(
+        mode if k == 1 or mode == "gate@1" else f"{mode}×{k}", workload, makespan, records, stats
+    )
+
+
+async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
+    """p50/p99 of one short completion, alternating with and without ``x-session-id``."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=60) as http:
+        times: dict[str, list[float]] = {"plain": [], "gated": []}
+        body = {"model": "tiny", "prompt": list(range(10, 42)), "max_tokens": 1}
+        for i in range(n):
+            for kind in ("plain", "gated"):
+                headers = {"x-session-id": f"overhead-{i}"} if kind == "gated" else {}
+                t = time.perf_counter()
+                r = await http.post(f"{url}/v1/completions", json=body, headers=headers)
+                times[kind].append(time.perf_counter() - t)
+                r.raise_for_status()
+                if kind == "gated":
+                    assert r.headers.get("x-session-gate-reason") == "open", r.headers
+                    await http.post(
+                        f"{url}/session_gate/v1/finish", json={"session_id": f"overhead-{i}"}
+                    )
+    q = {k: statistics.quantiles(v, n=100, method="inclusive") for k, v in times.items()}
+    return {
+        "plain_p50_ms": q["plain"][49] * 1e3,
+        "gated_p50_ms": q["gated"][49] * 1e3,
+        "plain_p99_ms": q["plain"][98] * 1e3,
+        "gated_p99_ms": q["gated"][98] * 1e3,
+        "added_p50_ms": (q["gated"][49] - q["plain"][49]) * 1e3,
+    }
+
+
+async def _engine_loop_cost(url: str, n: int) -> dict[str, float]:
+    """Engine-loop microseconds of admit (answered at once, ``engine_us``) and release, read
+    from the engine's own timings: a 32-token prompt, gate open."""
+    from session_gate import HttpGate
+
+    admit_us = []
+    async with HttpGate(url) as gate:
+        before = (await gate.stats())["engine_gate"]
+        for i in range(n):
+            lease = await gate.acquire(f"loop-{i}", list(range(10, 42)), 1, retain_session=False)
+            admit_us.append(lease.engine_us)
+            await lease.arelease()
+        after = (await gate.stats())["engine_gate"]
+    q = statistics.quantiles(admit_us, n=100, method="inclusive")
+    released = after["release_loop_calls"] - before["release_loop_calls"]
+    release_us = (after["release_loop_us_total"] - before["release_loop_us_total"]) / released
+    return {
+        "admit_engine_us_p50": q[49],
+        "admit_engine_us_p99": q[98],
+        "release_engine_us_mean": release_us,
+        "admit_plus_release_us": q[49] + release_us,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m session_gate.bench.clients", description=__doc__)
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated; empty runs only the overhead measurements",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overhead-requests", type=int, default=200)
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            p.error(f"unknown mode {m!r}: expected some of {', '.join(MODES)}")
+    if args.clients < 1:
+        p.error("--clients must be at least 1")
+
+    from session_gate.engine.serve import start_vllm, stop
+
+    spec = WORKLOADS[args.workload](args.seed)
+    print(spec.describe(), flush=True)
+    e = spec.engine
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-clients-"))
+    extra = [
+        "--max-num-seqs", str(e.max_num_seqs),
+        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+        "--enable-prompt-tokens-details", "--seed", "0", "--middleware", MIDDLEWARE,
+    ]  # fmt: skip
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between modes
+    max_len = min(spec.max_prompt_tokens + 64, (e.num_blocks - 1) * e.block_size)
+    proc, url = start_vllm(
+        workdir,
+        num_blocks=e.num_blocks,
+        block_size=e.block_size,
+        max_model_len=max_len,
+        extra_args=extra,
+    )
+    try:
+        summaries = []
+        for mode in modes:
+            started = time.perf_counter()
+            result = run_clients(url, args.workload, args.seed, mode, args.clients)
+            summaries.append(result.summary())
+            print(f"{result.mode}: {time.perf_counter() - started:.0f} s", flush=True)
+        overhead = asyncio.run(_middleware_overhead(url, args.overhead_requests))
+        loop_cost = asyncio.run(_engine_loop_cost(url, args.overhead_requests))
+    finally:
+        stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if summaries:
+        print("\n" + report.table(summaries))
+    by_mode = {s["mode"]: s for s in summaries}
+    targets: dict[str, Any] = {}
+    eg = by_mode.get(f"engine-gate×{args.clients}") or by_mode.get("engine-gate")
+    single = by_mode.get("gate@1")
+    if eg is not None:
+        targets["engine_gate_hit_vs_ideal"] = eg["hit_rate"] / max(eg["ideal_hit_rate"], 1e-9)
+    if eg is not None and single is not None:
+        targets["engine_gate_recompute_minus_single_gate"] = (
+            eg["recompute_ratio"] - single["recompute_ratio"]
+        )
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, CPU vLLM (tiny dummy Llama)"
+    print(f"middleware (gate open, loopback): {json.dumps(overhead)}")
+    print(f"engine loop: {json.dumps(loop_cost)}")
+    figures = {
+        s["mode"]: {
+            k: s[k] for k in ("hit_rate", "ideal_hit_rate", "recompute_ratio", "makespan_sec")
+        }
+        for s in summaries
+    }
+    print(
+        json.dumps(
+            {
+                "clients": args.clients,
+                "workload": args.workload,
+                "machine": machine,
+                "figures": figures,
+                "targets": targets,
+                "middleware": overhead,
+                "engine_loop": loop_cost,
+            },
+            sort_keys=True,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

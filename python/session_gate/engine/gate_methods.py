@@ -1,0 +1,179 @@
+"""The engine gate's utility methods on vLLM's ``EngineCore``: ``session_gate_admit``,
+``…_release``, ``…_cancel``, ``…_finish``, ``…_renew`` and ``…_stats``.
+
+They run as ``EngineCoreRequestType.UTILITY`` calls on the engine core's thread, like the probes
+(``methods``), and drive one ``EngineGateDriver`` per engine core (``gate_driver``): every client,
+proxy and API-server process of the replica shares that one gate. ``session_gate_admit`` answers
+at once when the core admits (or preempts) straight away, and otherwise returns a
+``concurrent.futures.Future`` that vLLM answers when the gate resolves it later.
+
+Answers of ``session_gate_admit`` (a dict, ``status`` first):
+
+- ``admitted``: ``lease``, ``reason``, ``wait_sec``, ``usage``, ``pressure``, ``hit_ratio``,
+  ``retain_session``, ``reserved``, ``revoked``, ``working_set_blocks``, ``num_preempted``;
+- ``preempted``: a newer admit of the same session took over (``num_preempted``);
+- ``cancelled``: ``session_gate_cancel(ticket)`` withdrew it;
+- ``expired``: its client stopped calling for ``lease_ttl_sec`` (see ``gate_driver``).
+
+Knobs: ``GateConfig.from_env()`` (``SESSION_GATE_*`` in the engine's environment) and
+``SESSION_GATE_LEASE_TTL_SEC``, read when the first call arrives. Bad arguments raise
+``TypeError``/``ValueError`` naming the argument; vLLM turns that into the call's failure message
+and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from vllm.v1.engine.core import EngineCore
+
+from session_gate.engine import methods
+from session_gate.engine.gate_driver import (
+    BAD_GATE_INPUT,
+    DRIVER_ATTR,
+    EngineGateDriver,
+    lease_ttl_from_env,
+)
+
+logger = logging.getLogger("session_gate")
+
+
+class _Probes:
+    """What the driver reads from this engine, in-process: the probes' own code (``methods``)."""
+
+    def __init__(self, state: Any, native: Any) -> None:
+        self._state = state
+        self._prompt_length = native.prompt_length
+        self._vocab = state.vocab_size
+        self._max_len = state.max_model_len
+
+    def usage(self) -> dict[str, Any]:
+        return self._state.usage()
+
+    def probe(self, session_id: str, token_ids: Any) -> dict[str, Any]:
+        return self._state.probe(session_id, token_ids)
+
+    def forget(self, session_id: str) -> bool:
+        return self._state.forget(session_id)
+
+    def prompt_length(self, token_ids: Any) -> int:
+        try:
+            return self._prompt_length(token_ids, self._vocab, self._max_len)
+        except ValueError as exc:
+            raise ValueError(f"token_ids: {exc}") from None
+
+
+def _checked(call: Any, *args: Any) -> Any:
+    """Runs a driver call; bad arguments become one ValueError the HTTP routes answer 400."""
+    try:
+        return call(*args)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{BAD_GATE_INPUT}: {exc}") from None
+
+
+def _driver(core: EngineCore) -> EngineGateDriver:
+    driver = core.__dict__.get(DRIVER_ATTR)
+    if driver is None:
+        native, error = methods._load_native()
+        if native is None:
+            raise RuntimeError(f"the engine gate is unavailable: {error}")
+        config = native.GateConfig.from_env()
+        driver = EngineGateDriver(
+            core, _Probes(methods._state(core), native), native, config, lease_ttl_from_env()
+        )
+        core.__dict__[DRIVER_ATTR] = driver
+        logger.info(
+            "session_gate: engine gate up (%r, lease TTL %.1f s)", config, driver.lease_ttl_sec
+        )
+    return driver
+
+
+def session_gate_admit(
+    self: EngineCore,
+    session_id: Any,
+    token_ids: Any,
+    max_tokens: Any,
+    retain_session: Any = True,
+    ticket: Any = None,
+    client_id: Any = None,
+) -> Any:
+    """Admit one turn: a dict now, or a ``Future`` of it (see the module docstring).
+    ``ticket`` (unique per attempt) lets ``session_gate_cancel`` withdraw it; ``client_id``
+    names the caller whose silence for ``lease_ttl_sec`` frees what it holds."""
+    started = time.perf_counter_ns()
+    driver = _driver(self)
+    answer = _checked(
+        driver.admit, session_id, token_ids, max_tokens, retain_session, ticket, client_id
+    )
+    if isinstance(answer, dict):
+        answer["engine_us"] = us = (time.perf_counter_ns() - started) / 1000.0
+        driver.loop_time("admit", us)
+    return answer
+
+
+def session_gate_release(self: EngineCore, lease: Any, client_id: Any = None) -> bool:
+    """Release a lease (its session keeps an idle grace window if it asked for one)."""
+    started = time.perf_counter_ns()
+    driver = _driver(self)
+    released = _checked(driver.release, lease, client_id)
+    driver.loop_time("release", (time.perf_counter_ns() - started) / 1000.0)
+    return released
+
+
+def session_gate_cancel(self: EngineCore, ticket: Any, client_id: Any = None) -> bool:
+    """Withdraw a pending admit (answered ``cancelled``), or release the lease it obtained
+    if the admission raced the cancel. False if the ticket is unknown."""
+    return _checked(_driver(self).cancel, ticket, client_id)
+
+
+def session_gate_finish(self: EngineCore, session_id: Any, client_id: Any = None) -> bool:
+    """End the session's ownership window now and drop its hash chain."""
+    return _checked(_driver(self).finish, session_id, client_id)
+
+
+def session_gate_renew(self: EngineCore, client_id: Any) -> dict[str, Any]:
+    """A client's heartbeat: keeps its leases and pending admits alive for ``lease_ttl_sec``."""
+    return _checked(_driver(self).renew, client_id)
+
+
+def session_gate_stats(self: EngineCore, fmt: Any = "json") -> Any:
+    """The gate's counters as a dict (``fmt="json"``) or Prometheus text (``"prometheus"``)."""
+    if fmt == "json":
+        return _driver(self).stats()
+    if fmt == "prometheus":
+        return _driver(self).prometheus()
+    raise ValueError(f'{BAD_GATE_INPUT}: fmt must be "json" or "prometheus", got {fmt!r}')
+
+
+UTILITY_METHODS = {
+    "session_gate_admit": session_gate_admit,
+    "session_gate_release": session_gate_release,
+    "session_gate_cancel": session_gate_cancel,
+    "session_gate_finish": session_gate_finish,
+    "session_gate_renew": session_gate_renew,
+    "session_gate_stats": session_gate_stats,
+}
+
+
+def _wrap_post_step(original: Any) -> Any:
+    def post_step(self: EngineCore, model_executed: bool) -> None:
+        original(self, model_executed)
+        # A busy engine never runs idle callbacks: the gate's timers tick here, between steps.
+        driver = self.__dict__.get(DRIVER_ATTR)
+        if driver is not None and driver.due:
+            driver.tick()
+
+    post_step.__wrapped__ = original  # type: ignore[attr-defined]
+    return post_step
+
+
+def install() -> None:
+    """Add the engine gate's methods and its post-step tick to ``EngineCore`` (idempotent)."""
+    if getattr(EngineCore, "_session_gate_gate_installed", False):
+        return
+    for name, fn in UTILITY_METHODS.items():
+        setattr(EngineCore, name, fn)
+    EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
+    EngineCore._session_gate_gate_installed = True

@@ -1,0 +1,208 @@
+"""Gating inside ``vllm serve``, no proxy: an ASGI middleware over the engine gate.
+
+    VLLM_PLUGINS=session_gate vllm serve MODEL \\
+        --middleware session_gate.engine.gate_middleware.SessionGateMiddleware
+
+A ``POST /v1/chat/completions`` or ``/v1/completions`` carrying an ``x-session-id`` header waits
+for the engine gate (the one in the engine core, shared by every API-server process of
+``--api-server-count`` and by every other client of the engine) before vLLM sees it:
+
+- the prompt is tokenized exactly as the route will (the endpoint plugin's tokenizer path), its
+  working set is the prompt plus ``max_completion_tokens``/``max_tokens`` (512 when absent);
+- admitted: the request goes on, with ``x-session-gate-reason`` and ``x-session-gate-wait-ms``
+  response headers; the lease is released when the response ends — streamed or not, finished,
+  failed or abandoned by its client;
+- a newer request of the same session arrives while this one waits: this one is answered 409
+  (vLLM's error shape, ``type`` ``"Conflict"``);
+- the client disconnects while waiting: its attempt is cancelled in the engine;
+- no ``x-session-id``, another route, or a body the gate cannot size (a batch of prompts): passed
+  through untouched. Bad gate input (e.g. an over-long session id) is answered 400; if the gate
+  itself is unavailable the request passes through ungated (logged once), so serving never stops.
+
+The endpoint plugin must be enabled (``VLLM_PLUGINS=session_gate``): the middleware reaches the
+engine through its per-app state. Leases are held under this API-server process's client id and
+renewed by a heartbeat, so if the process dies the engine frees them after ``lease_ttl_sec``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+
+from session_gate.engine.gate_routes import DEFAULT_MAX_TOKENS, long_poll_admit
+from session_gate.engine.http_routes import _STATE_ATTR, ProbeError, prompt_ids
+from session_gate.probes import pack_token_ids
+from session_gate.remote_gate import new_client_id
+
+logger = logging.getLogger("session_gate")
+
+GATED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+SESSION_HEADER = b"x-session-id"
+
+
+class SessionGateMiddleware:
+    """Pure ASGI middleware (``app.add_middleware``, as vLLM's ``--middleware`` does)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.client_id = new_client_id("serve")
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._warned: set[str] = set()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GATED_PATHS:
+            return await self.app(scope, receive, send)
+        session_id = _header(scope, SESSION_HEADER)
+        if not session_id:
+            return await self.app(scope, receive, send)
+        routes = getattr(scope["app"].state, _STATE_ATTR, None) if "app" in scope else None
+        if routes is None:
+            self._warn_once("routes", "the session_gate endpoint plugin is not loaded")
+            return await self.app(scope, receive, send)
+        body = await _read_body(receive)
+        if body is None:  # the client left before sending its body
+            return
+        replay = _replay(body, receive)
+        try:
+            packed, max_tokens = await self._size(routes, scope, body)
+        except ProbeError as err:
+            if err.status == 400 and err.message.startswith("cannot tokenize"):
+                # vLLM's own route will answer this malformed request better than we can.
+                return await self.app(scope, replay, send)
+            return await err.response()(scope, replay, send)
+        except _Ungateable:
+            return await self.app(scope, replay, send)
+        self._beat(routes)
+        ticket = f"{self.client_id}:{uuid.uuid4().hex[:16]}"
+        try:
+            answer = await long_poll_admit(
+                routes, receive, session_id, packed, max_tokens, True, self.client_id, ticket
+            )
+        except ProbeError as err:
+            if err.status == 400:
+                return await err.response()(scope, replay, send)
+            self._warn_once(str(err.status), f"engine gate unavailable, not gating: {err.message}")
+            return await self.app(scope, replay, send)
+        if answer is None:  # disconnected while waiting; the attempt is cancelled
+            return
+        status = answer.get("status")
+        if status != "admitted":
+            code = 409 if status == "preempted" else 503
+            message = (
+                f"session {session_id!r}: this request was preempted by a newer request of the "
+                "same session"
+                if status == "preempted"
+                else f"session {session_id!r}: the engine gate ended this request's wait ({status})"
+            )
+            return await ProbeError(code, message).response()(scope, replay, send)
+        lease = answer["lease"]
+        extra = [
+            (b"x-session-gate-reason", str(answer["reason"]).encode()),
+            (b"x-session-gate-wait-ms", f"{answer['wait_sec'] * 1000:.1f}".encode()),
+        ]
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, replay, send_with_headers)
+        finally:
+            # Its own task: a cancelled handler (client gone) must still release.
+            release = asyncio.ensure_future(
+                routes.call("session_gate_release", lease, self.client_id)
+            )
+            release.add_done_callback(_log_failure)
+
+    async def _size(self, routes: Any, scope: dict, body: bytes) -> tuple[bytes, int]:
+        """The prompt's packed ids and the turn's ``max_tokens``."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            raise _Ungateable from None
+        if not isinstance(parsed, dict):
+            raise _Ungateable
+        if scope["path"] == "/v1/completions":
+            prompt = parsed.get("prompt")
+            if not isinstance(prompt, str) and not (
+                isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+            ):
+                raise _Ungateable  # a batch of prompts: several sessions' worth, not one turn
+            fields = {k: v for k, v in parsed.items() if k != "messages"}
+        else:
+            fields = {k: v for k, v in parsed.items() if k != "prompt"}
+        fields.pop("token_ids", None)
+        ids = await prompt_ids(routes, fields, Request(scope))
+        max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            max_tokens = DEFAULT_MAX_TOKENS
+        try:
+            return pack_token_ids(ids), max_tokens
+        except OverflowError as exc:
+            raise ProbeError(400, f"token ids must fit in uint32: {exc}") from exc
+
+    def _beat(self, routes: Any) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.ensure_future(self._renew_forever(routes))
+
+    async def _renew_forever(self, routes: Any) -> None:
+        """This process's heartbeat: keeps its leases alive while it lives."""
+        while True:
+            try:
+                answer = await routes.call("session_gate_renew", self.client_id)
+                routes.lease_ttl_sec = float(answer["lease_ttl_sec"])
+            except Exception as exc:  # noqa: BLE001 - keep beating
+                logger.debug("session_gate: middleware heartbeat failed: %r", exc)
+            await asyncio.sleep((routes.lease_ttl_sec or 3.0) / 3)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("session_gate middleware: %s", message)
+
+
+class _Ungateable(Exception):
+    """A request the gate cannot size as one turn: passed through."""
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Any) -> bytes | None:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that hands the app the body we read, then the real channel."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("session_gate middleware: release failed: %r", task.exception())

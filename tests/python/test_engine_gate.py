@@ -1,0 +1,187 @@
+"""``EngineGate`` against a real CPU engine: the gate core inside vLLM's engine core process.
+
+One small engine for the module (64 blocks of 32 tokens, 63 usable; line = 0.85 × 63 = 53.55
+blocks) with short knobs in its environment: idle grace 2 s, max wait 3 s, lease TTL 2 s. The
+timers must fire while the engine is idle (blocked on its input queue) and while it is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+import pytest_asyncio
+from conftest import environ
+from session_gate import AdmissionPreempted, EngineGate
+from session_gate.engine.launch import make_async_llm
+from session_gate.probes import pack_token_ids
+from vllm import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GATE_ENV = {
+    "SESSION_GATE_IDLE_GRACE_SEC": "2",
+    "SESSION_GATE_MAX_WAIT_SEC": "3",
+    "SESSION_GATE_WAIT_POLL_SEC": "0.5",
+    "SESSION_GATE_LEASE_TTL_SEC": "2",
+}
+_ids = itertools.count()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine():
+    with environ(GATE_ENV):  # the engine core process inherits them
+        llm = make_async_llm(num_blocks=64, block_size=32)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def gate(engine):
+    g = EngineGate(engine)
+    try:
+        yield g
+    finally:
+        await g.aclose()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [3 + (seed * 131 + i) % 4000 for i in range(n)]
+
+
+async def generate(engine, token_ids: list[int], max_tokens: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    async for _ in engine.generate(
+        {"prompt_token_ids": token_ids}, params, request_id=f"eg-{next(_ids)}"
+    ):
+        pass
+
+
+async def test_a_lease_carries_the_gates_fields(gate):
+    async with gate.admit("fields", prompt(1, 100), 28) as lease:
+        assert lease.reason == "open" and lease.reserved and not lease.revoked
+        assert lease.working_set_blocks == 4 and lease.wait_sec == 0.0
+        assert isinstance(lease.lease_id, int) and lease.engine_us > 0
+        assert (await gate.stats())["leases_active"] == 1
+    await asyncio.sleep(0.2)  # the release is on its way
+    s = await gate.stats()
+    assert s["leases_active"] == 0 and s["reservations_idle"] == 1
+    assert await gate.finish_session("fields")
+    assert "session_gate_admissions_total" in await gate.prometheus()
+
+
+async def test_idle_grace_expiry_admits_a_waiter_while_the_engine_is_idle(gate):
+    big = await gate.acquire("grace", prompt(2, 1200), 16)  # 38 blocks
+    await big.arelease()  # its reservation stays for idle_grace_sec (2 s)
+    started = time.monotonic()
+    lease = await gate.acquire("cold-1", prompt(3, 700), 16)  # 23 blocks: 61 > 53.55
+    waited = time.monotonic() - started
+    # Nothing called the engine meanwhile (the heartbeat is every TTL/3 and does not poll
+    # waiters): only the gate's timer waking the idle busy loop admits it, at the grace's end.
+    assert lease.reason == "open" and 1.5 <= waited < 2.9, waited
+    await lease.arelease()
+    assert await gate.finish_session("cold-1")
+    assert not await gate.finish_session("grace")  # expired already
+
+
+async def test_max_wait_fires_while_the_engine_is_busy(engine, gate):
+    hog = await gate.acquire("hog", prompt(4, 1500), 16)  # 48 blocks
+    busy = asyncio.ensure_future(generate(engine, prompt(5, 10), 1900))
+    await asyncio.sleep(0.5)
+    started = time.monotonic()
+    lease = await gate.acquire("cold-2", prompt(6, 500), 16)  # 17 blocks: 65 > 53.55
+    waited = time.monotonic() - started
+    assert lease.reason == "max_wait" and 2.5 <= waited < 4.5, waited
+    assert not busy.done(), "the engine was meant to be busy stepping throughout"
+    busy.cancel()
+    await lease.arelease()
+    await hog.arelease()
+    for s in ("hog", "cold-2"):
+        assert await gate.finish_session(s)
+
+
+async def test_a_newer_admit_preempts_the_older_waiting_one(gate):
+    hog = await gate.acquire("hog-p", prompt(7, 1500), 16)
+    older = asyncio.ensure_future(gate.acquire("retry", prompt(8, 500), 16))
+    await asyncio.sleep(0.3)
+    newer = asyncio.ensure_future(gate.acquire("retry", prompt(8, 520), 16))
+    with pytest.raises(AdmissionPreempted) as err:
+        await older
+    assert err.value.num_preempted == 1
+    await hog.arelease()
+    assert await gate.finish_session("hog-p")
+    lease = await newer
+    assert lease.reason == "open" and lease.num_preempted == 1
+    await lease.arelease()
+    assert await gate.finish_session("retry")
+
+
+async def test_cancelling_a_waiting_acquire_withdraws_it_in_the_engine(gate):
+    hog = await gate.acquire("hog-c", prompt(9, 1500), 16)
+    before = (await gate.stats())["cancellations"]
+    waiter = asyncio.ensure_future(gate.acquire("quitter", prompt(10, 500), 16))
+    await asyncio.sleep(0.3)
+    assert (await gate.stats())["pending"] == 1
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.sleep(0.3)
+    s = await gate.stats()
+    assert s["pending"] == 0 and s["cancellations"] == before + 1
+    await hog.arelease()
+    assert await gate.finish_session("hog-c")
+
+
+async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
+    call = engine.engine_core.call_utility_async
+    before = (await gate.stats())["engine_gate"]["leases_expired"]
+    answer = await call(
+        "session_gate_admit", "orphan", pack_token_ids(prompt(11, 1500)), 16, True, "t-1", "gone"
+    )
+    assert answer["status"] == "admitted"
+    started = time.monotonic()
+    lease = await gate.acquire("heir", prompt(12, 500), 16)  # waits for the orphan's room
+    assert lease.reason == "open" and 1.5 <= time.monotonic() - started < 3.0
+    engine_stats = (await gate.stats())["engine_gate"]
+    assert engine_stats["clients_expired"] >= 1 and engine_stats["leases_expired"] == before + 1
+    assert not await call("session_gate_release", answer["lease"], None)  # gone already
+    await lease.arelease()
+    assert await gate.finish_session("heir")
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "fragment"),
+    [
+        ("session_gate_admit", (5, b"\x05\x00\x00\x00", 4, True, "t", "c"), "session_id must"),
+        ("session_gate_admit", ("s", "abc", 4, True, "t", "c"), "token_ids"),
+        ("session_gate_admit", ("s", b"\x05\x00\x00", 4, True, "t", "c"), "multiple of 4"),
+        ("session_gate_admit", ("s", [5] * 5000, 4, True, "t", "c"), "max_model_len"),
+        ("session_gate_admit", ("s", [5], -1, True, "t", "c"), "max_tokens"),
+        ("session_gate_admit", ("s", [5], 4, "yes", "t", "c"), "retain_session"),
+        ("session_gate_admit", ("s", [5], 4, True, None, "c"), "ticket must"),
+        ("session_gate_admit", ("s", [5], 4, True, "t", None), "client_id must"),
+        ("session_gate_release", ("x",), "lease must be an int"),
+        ("session_gate_cancel", (5,), "ticket must"),
+        ("session_gate_finish", (None,), "session_id must"),
+        ("session_gate_renew", ("",), "client_id must"),
+        ("session_gate_stats", ("xml",), "fmt must be"),
+    ],
+)
+async def test_bad_input_to_every_method_is_a_clear_error(engine, method, args, fragment):
+    with pytest.raises(Exception, match="invalid engine gate input") as err:
+        await engine.engine_core.call_utility_async(method, *args)
+    assert fragment in str(err.value)
+
+
+async def test_a_reused_ticket_is_refused_and_the_engine_keeps_serving(engine, gate):
+    call = engine.engine_core.call_utility_async
+    first = await call("session_gate_admit", "dup", [5, 6], 4, False, "same", "dup-client")
+    with pytest.raises(Exception, match="already in use"):
+        await call("session_gate_admit", "dup", [5, 6], 4, False, "same", "dup-client")
+    assert await call("session_gate_release", first["lease"], "dup-client")
+    await generate(engine, prompt(13, 20), 2)
+    assert (await gate.stats())["engine_gate"]["tick_errors"] == 0

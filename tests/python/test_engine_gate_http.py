@@ -1,0 +1,302 @@
+"""The engine gate end to end: one real ``vllm serve`` on CPU (tiny dummy model, both plugins,
+the gating middleware, two API-server processes sharing the engine), its HTTP routes, ``HttpGate``
+clients in separate processes, and the official ``openai`` client through the middleware.
+
+The server has 127 usable blocks of 32 tokens; with ``high_watermark`` 0.85 the line is 107.95
+blocks. The lease TTL is 3 s, so a dead client's reservations must be gone within ~3 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SERVE_TIMEOUT, environ, word_ids
+from session_gate import HttpGate
+from session_gate.engine.serve import start_vllm, stop
+
+NUM_BLOCKS = 128  # 127 usable
+BLOCK = 32
+MAX_MODEL_LEN = 4064
+LINE = 0.85 * (NUM_BLOCKS - 1)
+TTL = 3.0
+MAX_WAIT = 8.0
+CLIENT = str(Path(__file__).with_name("engine_gate_client.py"))
+GATE_ENV = {
+    "SESSION_GATE_LEASE_TTL_SEC": str(TTL),
+    "SESSION_GATE_WAIT_POLL_SEC": "0.5",
+    "SESSION_GATE_MAX_WAIT_SEC": str(MAX_WAIT),
+    "SESSION_GATE_IDLE_GRACE_SEC": "300",
+}
+MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
+
+
+@pytest.fixture(scope="module")
+def url():
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-engine-gate-"))
+    extra = [
+        "--max-num-seqs", "16", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
+        "--middleware", MIDDLEWARE, "--api-server-count", "2",
+    ]  # fmt: skip
+    with environ(GATE_ENV):
+        proc, base = start_vllm(
+            workdir,
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK,
+            max_model_len=MAX_MODEL_LEN,
+            extra_args=extra,
+            timeout=SERVE_TIMEOUT,
+        )
+    try:
+        yield base
+    finally:
+        stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def post(url: str, body=None, **kwargs) -> httpx.Response:
+    return httpx.post(url, json=body, timeout=60, **kwargs)
+
+
+def stats(url: str) -> dict:
+    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return word_ids(seed, n)
+
+
+async def eventually(condition, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never became true"
+        await asyncio.sleep(0.1)
+
+
+def client_process(url: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, CLIENT, url, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+# -- clients in separate processes -------------------------------------------------------------
+
+
+def test_clients_in_separate_processes_never_commit_past_the_line_together(url):
+    """Three worker processes, three sessions each, 40-block turns: at most two fit under the
+    line. Four local gates would each let their own sessions in; the engine gate sees all."""
+    samples: list[int] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        with httpx.Client(timeout=30) as http:
+            while not done.is_set():
+                samples.append(http.get(f"{url}/session_gate/v1/stats").json()["committed_blocks"])
+                time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    procs = [client_process(url, "churn", f"w{i}", "3", "2", "1200", "0.3") for i in range(3)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        done.set()
+        sampler.join()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    leases = [json.loads(line) for out, _ in outs for line in out.splitlines()]
+    assert len(leases) == 18
+    assert all(lease["working_set_blocks"] == 40 for lease in leases)
+    # What the engine counted, sampled, and what the clients saw held at once: never > line.
+    assert samples and max(samples) <= LINE
+    for lease in leases:
+        t = lease["admitted"]
+        held = [x for x in leases if x["admitted"] <= t < x["released"]]
+        assert sum(x["working_set_blocks"] for x in held) <= LINE, held
+    # The gate was the limit: some turns waited for others to release.
+    assert max(lease["wait_sec"] for lease in leases) > 0.1
+    assert stats(url)["leases_active"] == 0
+
+
+async def test_killing_a_client_process_frees_its_reservations_within_the_ttl(url):
+    victim = client_process(url, "hold", "victim", "3000")  # 96 blocks
+    try:
+        line = await asyncio.to_thread(victim.stdout.readline)
+        assert json.loads(line)["reason"] == "open", victim.stderr.read()
+        async with HttpGate(url) as gate:
+            # 96 + 40 blocks do not fit under the line: this one waits for the victim.
+            waiter = asyncio.ensure_future(gate.acquire("after-victim", tokens(10, 1200), 64))
+            await asyncio.sleep(1.0)
+            assert not waiter.done()
+            killed = time.monotonic()
+            os.killpg(victim.pid, signal.SIGKILL)
+            lease = await asyncio.wait_for(waiter, TTL + 10)
+            freed_after = time.monotonic() - killed
+            # Its last heartbeat was at most TTL/3 before the kill; one timer tick of slack.
+            assert TTL * 2 / 3 - 0.2 <= freed_after <= TTL + 1.5, freed_after
+            engine = (await gate.stats())["engine_gate"]
+            assert engine["clients_expired"] >= 1 and engine["leases_expired"] >= 1
+            await lease.arelease()
+            assert await gate.finish_session("after-victim")
+            assert not await gate.finish_session("victim")  # its window went with it
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+
+
+async def test_a_disconnecting_long_poll_cancels_its_attempt(url):
+    async with HttpGate(url) as gate:
+        hog = await gate.acquire("hog-d", tokens(20, 3000), 64)
+        before = stats(url)["cancellations"]
+        body = {"session_id": "poller", "token_ids": tokens(30, 1200), "max_tokens": 64}
+        async with httpx.AsyncClient() as http:
+            poll = asyncio.ensure_future(
+                http.post(f"{url}/session_gate/v1/admit", json=body, timeout=2.0)
+            )
+            await eventually(lambda: stats(url)["pending"] == 1, what="the long-poll waiting")
+            with pytest.raises(httpx.ReadTimeout):
+                await poll
+        await eventually(lambda: stats(url)["pending"] == 0, what="the attempt cancelled")
+        assert stats(url)["cancellations"] == before + 1
+        await hog.arelease()
+        assert await gate.finish_session("hog-d")
+
+
+# -- the middleware, with the official openai client -------------------------------------------
+
+
+def openai_client(base_url: str, **kwargs):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, **kwargs)
+
+
+async def completion(client, prompt, max_tokens: int = 4):
+    raw = await client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens
+    )
+    return raw.headers.get("x-session-gate-reason"), raw.parse()
+
+
+async def test_every_reason_and_preemption_through_the_middleware(url):
+    import openai
+
+    def session(sid: str):
+        return openai_client(f"{url}/v1", default_headers={"x-session-id": sid})
+
+    plain = openai_client(f"{url}/v1")
+    reason, r = await completion(plain, tokens(1, 50))
+    assert reason is None and r.usage.completion_tokens == 4  # no session: not gated
+
+    a = session("mw-a")
+    reason, _ = await completion(a, tokens(100, 200))  # 7 blocks
+    assert reason == "open"
+    async with HttpGate(url) as gate:
+        hog = await gate.acquire("hog-m", tokens(500, 3136), 64)  # 100 blocks: 107 committed
+        assert hog.reason == "open"
+        # mw-a's next turn (13 blocks) no longer fits, but it owns a reservation.
+        reason, _ = await completion(a, tokens(100, 400))
+        assert reason == "reserved_session"
+        # A cold session whose prefix vLLM holds (served once without a session).
+        resident = tokens(2000, 150)
+        await completion(plain, resident)
+        reason, _ = await completion(session("mw-r"), resident)
+        assert reason == "resident_prefix"
+        # A cold session with nothing resident waits, until max_wait_sec.
+        started = time.monotonic()
+        reason, _ = await completion(session("mw-w"), tokens(2500, 150))
+        assert reason == "max_wait" and time.monotonic() - started >= MAX_WAIT - 0.5
+        # A retry preempts the waiting request: 409 for the older one, never sent to vLLM.
+        p = session("mw-p")
+        first = asyncio.ensure_future(completion(p, tokens(3000, 150)))
+        await asyncio.sleep(1.0)
+        assert not first.done()
+        second = asyncio.ensure_future(completion(p, tokens(3000, 160)))
+        with pytest.raises(openai.ConflictError) as err:
+            await first
+        assert "preempted" in str(err.value)
+        await hog.arelease()
+        assert await gate.finish_session("hog-m")
+        reason, r = await asyncio.wait_for(second, 30)
+        assert reason == "open" and r.usage.completion_tokens == 4
+        # Chat, streamed: admitted, and the lease goes when the stream ends.
+        chat = session("mw-s")
+        stream = await chat.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "w1 w2 w3"}],
+            max_tokens=5,
+            stream=True,
+        )
+        chunks = [c async for c in stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        await eventually(lambda: stats(url)["leases_active"] == 0, what="leases released")
+        s = stats(url)
+        assert s["admissions"]["max_wait"] >= 1 and s["admissions"]["resident_prefix"] >= 1
+        assert s["preemptions"] >= 1
+        for sid in ("mw-a", "mw-r", "mw-w", "mw-p", "mw-s"):
+            assert await gate.finish_session(sid), sid
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "params", "fragment"),
+    [
+        ("admit", None, None, "must be a JSON object"),
+        ("admit", {"token_ids": [5, 6]}, None, "session_id is required"),
+        ("admit", {"session_id": "s", "token_ids": [99999]}, None, "outside the vocabulary"),
+        ("admit", {"session_id": "s", "token_ids": [5], "max_tokens": "x"}, None, "max_tokens"),
+        ("admit", {"session_id": "s", "token_ids": [5], "retain_session": "maybe"}, None,
+         "retain_session"),
+        ("admit", {"session_id": "s" * 300, "token_ids": [5]}, None, "session_id is 300"),
+        ("admit", {"session_id": "s", "token_ids": [5], "ticket": 7}, None, "ticket"),
+        ("release", {}, None, "needs 'lease'"),
+        ("release", {"lease": "x"}, None, "lease must be an int"),
+        ("cancel", {"ticket": 5}, None, "ticket must be a non-empty str"),
+        ("finish", {"session_id": ""}, None, "session_id must be a non-empty str"),
+        ("renew", {"client_id": ["a"]}, None, "client_id must be a non-empty str"),
+        ("stats", None, {"format": "xml"}, "format must be"),
+    ],
+)  # fmt: skip
+def test_bad_input_to_every_route_is_a_json_400(url, route, body, params, fragment):
+    r = httpx.post(f"{url}/session_gate/v1/{route}", json=body, params=params, timeout=60)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+
+
+async def test_the_engine_keeps_serving_after_bad_input(url):
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": tokens(7, 20), "max_tokens": 2},
+        headers={"x-session-id": "x" * 300},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "session_id" in r.json()["error"]["message"]
+    client = openai_client(f"{url}/v1", default_headers={"x-session-id": "after-bad"})
+    reason, out = await completion(client, tokens(7, 20))
+    assert reason == "open" and out.usage.completion_tokens == 4
+    assert stats(url)["engine_gate"]["tick_errors"] == 0
+    async with HttpGate(url) as gate:
+        assert await gate.finish_session("after-bad")
