@@ -8,9 +8,8 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-probe bench-gate bench-proxy clean \
-	sim-calibrate bench-sim-replica bench-clients sim sim-fidelity bench-sim
-.PHONY: wheel bench-abi3
+.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
+	bench-clients sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
@@ -63,6 +62,11 @@ demo-probe: setup
 # The full comparison: no gate, session caps, the seed's gate, the default gate; two workloads.
 bench: setup
 	$(PY) -m session_gate.bench --workload default mixed
+
+# Every mode (none, caps, seed, aimd, pause, gate) on the real CPU engine (default, mixed) and,
+# when installed, the replica twin; regret per workload, a table and a plot; last line JSON.
+bench-matrix: setup
+	$(PY) -m session_gate.bench.matrix
 
 bench-probe: setup
 	$(PY) -m session_gate.engine.bench_probe

@@ -16,8 +16,10 @@ from typing import Final, Literal, TypeAlias, TypedDict, final
 __all__ = [
     "__version__",
     "Admit",
+    "AimdController",
     "GateConfig",
     "GateCore",
+    "PauseController",
     "Preempted",
     "ProbeEngine",
     "ProbePrefix",
@@ -313,6 +315,66 @@ class GateCore:
         """Raises ``RuntimeError`` describing the first internal inconsistency."""
     def stats(self) -> _GateStatsDict: ...
     def prometheus(self) -> str: ...
+
+# --------------------------------------------------------------------------- baselines
+
+@final
+class AimdController:
+    """prime-rl's adaptive episode concurrency (``src/baselines/aimd.rs``). Knobs by keyword
+    (published defaults otherwise); ``time_scale`` multiplies the time constants."""
+
+    def __new__(cls, *, time_scale: float = 1.0, **knobs: float | int | None) -> AimdController: ...
+    def submit(self, session_id: str) -> None:
+        """Queues an episode to start; ``ValueError`` if already queued or in flight."""
+    def admit(self, now: float) -> list[str]:
+        """The queued episodes to start now (cap and admission meter permitting)."""
+    def on_complete(self, now: float, session_id: str) -> None:
+        """A natural completion (may grow the cap)."""
+    def on_poll(
+        self,
+        now: float,
+        *,
+        kv_usage: float,
+        running: int,
+        waiting: int,
+        preemptions_total: int,
+        kv_capacity_tokens: int | None = None,
+        max_model_len: int | None = None,
+    ) -> list[str]:
+        """One engine scrape; the episodes to cancel, youngest first."""
+    @property
+    def cap(self) -> float: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+    @property
+    def poll_interval_sec(self) -> float: ...
+    def stats(self) -> dict[str, float]: ...
+
+@final
+class PauseController:
+    """ThunderAgent's tool-boundary pausing for one replica (``src/baselines/pause.rs``)."""
+
+    def __new__(
+        cls, capacity_tokens: int, *, time_scale: float = 1.0, **knobs: float | int
+    ) -> PauseController: ...
+    def before_request(self, now: float, session_id: str, prompt_tokens: int) -> str | None:
+        """``None``: send the turn now; else why it is held (``paused``, ``queued``,
+        ``admission_full``) until a tick resumes the session."""
+    def after_request(self, now: float, session_id: str, total_tokens: int) -> bool:
+        """The turn's response ended; whether the session was paused now."""
+    def finish(self, session_id: str) -> bool: ...
+    def tick(self, now: float) -> dict[str, list[str]]:
+        """``resumed``, ``forced``, ``paused``, ``marked``, ``expired`` session ids."""
+    def is_paused(self, session_id: str) -> bool: ...
+    @property
+    def used(self) -> int: ...
+    @property
+    def scheduler_interval_sec(self) -> float: ...
+    @property
+    def next_forced_resume(self) -> float | None: ...
+    def stats(self) -> dict[str, int]: ...
 
 # --------------------------------------------------------------------------- twin (sim_pool.rs)
 

@@ -88,7 +88,7 @@ pub const ENV_VARS: [&str; 8] = [
     "SESSION_GATE_DEFAULT_MAX_TOKENS",
 ];
 
-fn fraction(knob: &'static str, v: f64) -> Result<()> {
+pub(crate) fn fraction(knob: &'static str, v: f64) -> Result<()> {
     // `contains` is false for NaN, so NaN is refused here too.
     if (0.0..=1.0).contains(&v) {
         Ok(())
@@ -97,7 +97,7 @@ fn fraction(knob: &'static str, v: f64) -> Result<()> {
     }
 }
 
-fn seconds(knob: &'static str, v: f64, allow_zero: bool) -> Result<()> {
+pub(crate) fn seconds(knob: &'static str, v: f64, allow_zero: bool) -> Result<()> {
     let ok = v.is_finite() && if allow_zero { v >= 0.0 } else { v > 0.0 };
     if ok {
         Ok(())
@@ -108,7 +108,7 @@ fn seconds(knob: &'static str, v: f64, allow_zero: bool) -> Result<()> {
     }
 }
 
-fn invalid(knob: &'static str, v: f64, why: &'static str) -> Error {
+pub(crate) fn invalid(knob: &'static str, v: f64, why: &'static str) -> Error {
     Error::InvalidKnob {
         knob,
         value: v.to_string(),

@@ -6,6 +6,7 @@
 //! and take the engine core down.
 use pyo3::prelude::*;
 
+mod baselines;
 mod block_pool;
 #[cfg(feature = "proxy")]
 mod cli;
@@ -24,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
     gate::register(m)?;
+    baselines::register(m)?;
     sim::register(m)?;
     #[cfg(feature = "proxy")]
     cli::register(m)?;

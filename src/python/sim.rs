@@ -51,12 +51,13 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
 /// Runs one mode of a workload on the twin.
 ///
 /// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
-/// `seed` forces `pressure="engine"`). The cost model is the built-in `profile`, or the TOML
+/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults). The cost model is the built-in `profile`, or the TOML
 /// `profile_text` read from `profile_path`. The replica has the profile's shape unless a shape
 /// field is given. `seed` seeds token identity. Returns a dict: `records` (columns: `session`,
 /// `turn`, `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
 /// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None), `replica_stats`,
-/// `profile` (name, description, shape used) and `wall_sec`.
+/// `lost` (cancelled episodes' `cancellations`, `turns`, `tokens`), `profile` (name,
+/// description, shape used) and `wall_sec`.
 #[pyfunction]
 #[pyo3(signature = (
     sessions,
@@ -161,6 +162,11 @@ fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyD
         None => d.set_item("gate_stats", py.None())?,
     }
     d.set_item("replica_stats", replica_dict(py, &out.replica_stats)?)?;
+    let lost = PyDict::new(py);
+    lost.set_item("cancellations", out.lost.cancellations)?;
+    lost.set_item("turns", out.lost.turns)?;
+    lost.set_item("tokens", out.lost.tokens)?;
+    d.set_item("lost", lost)?;
     Ok(d)
 }
 

@@ -14,6 +14,7 @@
 //! Each turn yields a [`TurnRecord`] with the fields of the real bench's `TurnRecord`
 //! (`python/session_gate/bench/runner.py`) except the ideal hit, which Python derives from the
 //! same records with the bench's own function.
+mod baselines;
 mod cap;
 mod client;
 mod events;
@@ -22,7 +23,7 @@ pub mod mode;
 pub mod spec;
 pub mod tokens;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use self::client::{Client, Phase};
 use self::events::{Event, Events};
@@ -70,6 +71,20 @@ pub struct SimOutput {
     pub gate_stats: Option<GateStats>,
     /// The replica's counters (steps, busy time, preemptions, ...).
     pub replica_stats: ReplicaStats,
+    /// Work thrown away by cancelled episodes (aimd): the episodes cancelled, their finished
+    /// turns, and the tokens those turns prefilled (prompt − cached) and generated.
+    pub lost: LostWork,
+}
+
+/// Work thrown away by cancelled episodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LostWork {
+    /// Episodes cancelled (each re-ran from its first turn).
+    pub cancellations: u64,
+    /// Finished turns of cancelled attempts.
+    pub turns: u64,
+    /// Tokens those turns prefilled and generated.
+    pub tokens: u64,
 }
 
 /// Notifications for the mode, delivered in order.
@@ -121,6 +136,8 @@ pub fn simulate(
         records: Vec::new(),
         finished: 0,
         makespan: 0.0,
+        aborted: HashSet::new(),
+        lost: LostWork::default(),
     };
     sim.run(mode)?;
     Ok(SimOutput {
@@ -128,6 +145,7 @@ pub fn simulate(
         makespan_sec: sim.makespan,
         gate_stats: mode.gate_stats(),
         replica_stats: sim.replica.stats().clone(),
+        lost: sim.lost,
     })
 }
 
@@ -145,6 +163,9 @@ struct Sim {
     records: Vec<TurnRecord>,
     finished: usize,
     makespan: f64,
+    /// Requests aborted by a cancel: their outcome in a step already under way is dropped.
+    aborted: HashSet<u64>,
+    lost: LostWork,
 }
 
 impl Sim {
@@ -256,7 +277,56 @@ impl Sim {
                 self.requests.insert(id, s);
                 self.replica.add_request(request)?;
             }
+            Command::Cancel(s) => self.cancel(s)?,
         }
+        Ok(())
+    }
+
+    /// Cancels session `s`'s episode (see [`Ctx::cancel`]).
+    fn cancel(&mut self, s: SessionIx) -> Result<()> {
+        let phase = self.clients.get(s).map(|c| c.phase);
+        match phase {
+            None | Some(Phase::Finished) => {
+                return Err(Error::InvalidInput(format!(
+                    "mode asked to cancel session #{s}, which is finished or does not exist"
+                )));
+            }
+            Some(Phase::InFlight) => {
+                let ids: Vec<u64> = self
+                    .requests
+                    .iter()
+                    .filter(|(_, v)| **v == s)
+                    .map(|(k, _)| *k)
+                    .collect();
+                for id in ids {
+                    self.requests.remove(&id);
+                    self.replica.abort_request(id);
+                    self.aborted.insert(id);
+                }
+            }
+            Some(Phase::Tool | Phase::Idle | Phase::Ready) => {}
+        }
+        let c = &mut self.clients[s];
+        let mut lost = LostWork {
+            cancellations: 1,
+            ..Default::default()
+        };
+        self.records.retain(|r| {
+            if r.session != s {
+                return true;
+            }
+            lost.turns += 1;
+            let output = c.spec.turns[r.turn as usize].output;
+            lost.tokens += u64::from(r.prompt_tokens - r.cached_tokens) + u64::from(output);
+            false
+        });
+        self.lost.cancellations += lost.cancellations;
+        self.lost.turns += lost.turns;
+        self.lost.tokens += lost.tokens;
+        c.turn = 0;
+        c.history = 0;
+        c.phase = Phase::Idle;
+        c.attempt += 1;
         Ok(())
     }
 
@@ -276,6 +346,9 @@ impl Sim {
 
     fn step_done(&mut self, outcome: StepOutcome) -> Result<()> {
         for done in &outcome.finished {
+            if self.aborted.remove(&done.id) {
+                continue;
+            }
             let s = self.requests.remove(&done.id).ok_or_else(|| {
                 Error::InvalidInput(format!("replica finished unknown request {}", done.id))
             })?;
@@ -296,7 +369,7 @@ impl Sim {
             c.history += u64::from(c.max_tokens());
             c.phase = Phase::Tool;
             let tool = c.spec.turns[c.turn].tool_latency;
-            self.events.push(now + tool, Event::ToolDone(s));
+            self.events.push(now + tool, Event::ToolDone(s, c.attempt));
             self.notes.push_back(Note::TurnFinished(s));
         }
         Ok(())
@@ -305,9 +378,12 @@ impl Sim {
     fn event(&mut self, event: Event) -> Result<()> {
         match event {
             Event::Arrive(s) => self.notes.push_back(Note::Arrived(s)),
-            Event::ToolDone(s) => {
+            Event::ToolDone(s, attempt) => {
                 let now = self.now;
                 let c = &mut self.clients[s];
+                if attempt != c.attempt {
+                    return Ok(());
+                }
                 if c.turn + 1 < c.spec.turns.len() {
                     c.turn += 1;
                     c.prepare_turn(now);

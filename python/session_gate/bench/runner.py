@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from session_gate.bench.modes import Admission, Mode
+from session_gate.bench.modes import Admission, EpisodeCancelled, Mode
 from session_gate.bench.workloads import SessionSpec, Workload
 from session_gate.engine.launch import agenerate
 
@@ -35,6 +35,11 @@ class ModeResult:
     makespan_sec: float
     records: list[TurnRecord] = field(default_factory=list)
     gate_stats: dict[str, Any] = field(default_factory=dict)
+    # Work thrown away by cancelled episodes (aimd): their completed turns, and the tokens those
+    # turns prefilled and generated; the episodes re-ran from their first turn.
+    lost_turns: int = 0
+    lost_tokens: int = 0
+    cancellations: int = 0
     #: What produced the result: ``"vllm-cpu"`` (the real engine) or ``"twin:<profile>"``.
     engine: str = "vllm-cpu"
     #: The twin's replica counters (steps, busy time, engine preemptions); empty for real runs.
@@ -51,6 +56,10 @@ class ModeResult:
         for r in self.records:
             reasons[r.reason] = reasons.get(r.reason, 0) + 1
         stats = self.gate_stats
+        # Late turns: the second half of the turn indices, where contexts are longest and
+        # re-prefill hurts most.
+        half = (max(by_turn, default=0) + 1) // 2
+        late = [r.latency_sec for r in self.records if r.turn >= half]
         out = {
             "mode": self.mode,
             "workload": self.workload,
@@ -68,8 +77,12 @@ class ModeResult:
             },
             "admissions_by_reason": reasons,
             "total_wait_sec": sum(r.wait_sec for r in self.records),
+            "late_turn_p90_sec": _pct(late, 90) if late else 0.0,
             "revocations": stats.get("revocations", 0),
             "preemptions": stats.get("preemptions", 0),
+            "cancellations": self.cancellations,
+            "lost_turns": self.lost_turns,
+            "lost_tokens": self.lost_tokens,
         }
         if self.replica_stats:
             out["replica"] = self.replica_stats
@@ -101,20 +114,22 @@ async def run_mode(
     mode: Mode,
     probe: Any,
     progress: Any = None,
+    knobs: dict[str, Any] | None = None,
     *,
     only: Any = None,
     admission: Any = None,
     generate: Any = agenerate,
 ) -> ModeResult:
     """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
-    reset first so every mode starts cold.
+    reset first so every mode starts cold. ``knobs`` override a baseline's defaults.
 
     For one of several client processes (``bench.clients``): ``only`` picks the session
     indices this process drives, ``admission`` replaces the mode's own (the caller reset the
-    cache), ``generate`` sends a turn (``agenerate``'s signature)."""
+    cache and closes it), ``generate`` sends a turn (``agenerate``'s signature)."""
+    own = admission is None
     if admission is None:
         await llm.reset_prefix_cache()
-        admission = Admission(mode, probe)
+        admission = Admission(mode, probe, llm, workload, knobs)
     block = workload.engine.block_size
     rng = random.Random(workload.seed)
     system = [
@@ -122,15 +137,35 @@ async def run_mode(
     ]
     records: list[TurnRecord] = []
     system_seen = [False]
+    lost = {"turns": 0, "tokens": 0, "cancellations": 0}
 
     async def run_session(index: int, spec: SessionSpec) -> None:
+        if spec.arrival > 0:
+            await asyncio.sleep(spec.arrival)
+        attempt = 0
+        while True:
+            kept: list[TurnRecord] = []
+            try:
+                await run_attempt(spec, attempt, kept)
+            except EpisodeCancelled:
+                # Re-run from the first turn; what the cancelled attempt did is lost work.
+                lost["cancellations"] += 1
+                lost["turns"] += len(kept)
+                lost["tokens"] += sum(
+                    r.prompt_tokens - r.cached_tokens + spec.turns[r.turn].output for r in kept
+                )
+                attempt += 1
+                continue
+            records.extend(kept)
+            return
+
+    async def run_attempt(spec: SessionSpec, attempt: int, kept: list[TurnRecord]) -> None:
+        # The same token contents on every attempt: a re-run can hit what is still cached.
         srng = random.Random(f"{workload.seed}:{spec.session_id}")
         history = system[: spec.system_tokens] + [
             srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
         ]
         prev_sequence = 0
-        if spec.arrival > 0:
-            await asyncio.sleep(spec.arrival)
         async with admission.session(spec.session_id):
             for t, turn in enumerate(spec.turns):
                 history += [srng.randrange(3, VOCAB) for _ in range(turn.append)]
@@ -141,9 +176,9 @@ async def run_mode(
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
                     output, cached = await generate(
-                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}"
+                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}.{attempt}"
                     )
-                records.append(
+                kept.append(
                     TurnRecord(
                         spec.session_id,
                         t,
@@ -163,7 +198,18 @@ async def run_mode(
 
     started = time.perf_counter()
     mine = [(i, s) for i, s in enumerate(workload.sessions) if only is None or i in only]
-    await asyncio.gather(*(run_session(i, s) for i, s in mine))
+    try:
+        await asyncio.gather(*(run_session(i, s) for i, s in mine))
+    finally:
+        if own:
+            await admission.close()
     return ModeResult(
-        mode.name, workload.name, time.perf_counter() - started, records, admission.stats()
+        mode.name,
+        workload.name,
+        time.perf_counter() - started,
+        records,
+        admission.stats(),
+        lost_turns=lost["turns"],
+        lost_tokens=lost["tokens"],
+        cancellations=lost["cancellations"],
     )

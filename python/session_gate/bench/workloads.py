@@ -280,6 +280,58 @@ def speed_workload(seed: int = 0) -> Workload:
     return rl_rollout_workload(seed, sessions=1000, turns=(30, 30), name="speed-1000x30")
 
 
+def cheap_prefill_workload(seed: int = 0) -> Workload:
+    """Short prompts, long tools: 512 sessions x 16 turns, a 512-token shared system prompt and
+    300-token tasks, 50-200 tool tokens and 100-300 output tokens a turn, tools of 5-20 s
+    (uniform). Contexts stay under ~8K tokens, so a re-prefill costs a fraction of a second on a
+    GPU while the tools take seconds: holding sessions back to save prefill costs more than it
+    saves. The live contexts still outgrow one replica's cache (the issue's cheap-prefill case)."""
+    rng = random.Random(f"cheap-prefill:{seed}")
+    out = [
+        SessionSpec(
+            f"c{i}",
+            512,
+            300,
+            tuple(
+                Turn(
+                    append=0 if t == 0 else rng.randint(50, 200),
+                    output=rng.randint(100, 300),
+                    tool_latency=round(rng.uniform(5.0, 20.0), 3),
+                )
+                for t in range(16)
+            ),
+        )
+        for i in range(512)
+    ]
+    return Workload("cheap-prefill", tuple(out), seed=seed, profile_shape=True)
+
+
+def long_tool_workload(seed: int = 0) -> Workload:
+    """Tools of 10-60 s (uniform): 256 sessions x 20 turns shaped like ``rl-rollout`` otherwise
+    (2,048 shared + 1,000 task tokens, log-normal tool results of median 500 tokens, 100-600
+    output tokens). A session sits idle far longer than it runs, so whether its prefix survives
+    the tool call (the gate's idle grace window) decides the hit rate."""
+    rng = random.Random(f"long-tool:{seed}")
+    out = [
+        SessionSpec(
+            f"l{i}",
+            2048,
+            1000,
+            tuple(
+                Turn(
+                    append=0 if t == 0 else round(_lognormal(rng, 500, 0.8, 20, 8000)),
+                    output=rng.randint(100, 600),
+                    tool_latency=round(rng.uniform(10.0, 60.0), 3),
+                )
+                for t in range(20)
+            ),
+        )
+        for i in range(256)
+    ]
+    return Workload("long-tool", tuple(out), seed=seed, profile_shape=True)
+
+
 WORKLOADS = {"default": default_workload, "mixed": mixed_workload}
 #: Workloads only the twin runs (on the profile's replica shape); see the module docstring.
 SCALE_WORKLOADS = {"rl-rollout": rl_rollout_workload, "rl-async": rl_async_workload}
+SCALE_WORKLOADS.update({"cheap-prefill": cheap_prefill_workload, "long-tool": long_tool_workload})

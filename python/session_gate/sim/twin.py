@@ -68,6 +68,10 @@ def run_twin(
     modes without a gate); the result says ``engine="twin:<profile>"``."""
     from session_gate import _native
 
+    if mode.scaled:
+        raise ValueError(
+            f"mode {mode.name}: the twin runs the baselines with their literal time constants"
+        )
     config = _native.GateConfig(**(knobs or {})) if mode.kind in ("seed", "gate") else None
     out = _native.simulate(
         native_sessions(workload),
@@ -90,6 +94,9 @@ def run_twin(
         out["gate_stats"] or {},
         engine=f"twin:{profile_label(profile)}",
         replica_stats=stats,
+        lost_turns=out["lost"]["turns"],
+        lost_tokens=out["lost"]["tokens"],
+        cancellations=out["lost"]["cancellations"],
     )
 
 

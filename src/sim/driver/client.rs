@@ -35,6 +35,9 @@ pub(crate) struct Client {
     pub(crate) ready_at: f64,
     pub(crate) admitted_at: f64,
     pub(crate) reason: &'static str,
+    /// How many times the episode was cancelled and restarted: tool events of an earlier
+    /// attempt are ignored when they fire.
+    pub(crate) attempt: u32,
 }
 
 impl Client {
@@ -48,6 +51,7 @@ impl Client {
             ready_at: 0.0,
             admitted_at: 0.0,
             reason: "",
+            attempt: 0,
         }
     }
 

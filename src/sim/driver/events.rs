@@ -12,7 +12,9 @@ pub(crate) enum Event {
     /// The session arrives.
     Arrive(SessionIx),
     /// The session's tool call returns.
-    ToolDone(SessionIx),
+    /// The session's tool finished; the number is the session's attempt (a cancelled episode's
+    /// tool events are stale and ignored).
+    ToolDone(SessionIx, u32),
 }
 
 /// Pending client events.

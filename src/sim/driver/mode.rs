@@ -7,10 +7,12 @@
 //! only through its probes and counters, as a production controller reads vLLM. New modes (AIMD,
 //! pausing, ...) are new implementations of this trait plus one arm in [`ModeSpec`]; the event
 //! loop does not change.
+use crate::baselines::{AimdConfig, PauseConfig};
 use crate::error::{Error, Result};
 use crate::gate::{GateConfig, GateStats, Pressure};
 use crate::sim::{BlockHash, Replica};
 
+use super::baselines::{AimdMode, PauseMode};
 use super::cap::CapMode;
 use super::client::Client;
 use super::gate::GateMode;
@@ -25,6 +27,9 @@ pub(crate) enum Command {
     Start(SessionIx),
     /// The session's ready turn goes to the replica now; `reason` is recorded with it.
     Admit(SessionIx, &'static str),
+    /// Cancel the session's episode (aimd): abort its request, drop its turns (lost work) and
+    /// return it to not-started; the mode starts it again later.
+    Cancel(SessionIx),
 }
 
 /// A session's current turn as a mode sees it.
@@ -75,6 +80,12 @@ impl<'a> Ctx<'a> {
     /// records (`"none"` for modes without a gate, the gate's reason otherwise).
     pub fn admit(&mut self, s: SessionIx, reason: &'static str) {
         self.commands.push(Command::Admit(s, reason));
+    }
+
+    /// Cancels session `s`'s episode: its in-flight request is aborted, its finished turns are
+    /// counted as lost work, and it goes back to not-started (start it again to re-run it).
+    pub fn cancel(&mut self, s: SessionIx) {
+        self.commands.push(Command::Cancel(s));
     }
 }
 
@@ -127,6 +138,10 @@ pub enum ModeSpec {
     Seed(GateConfig),
     /// The default gate: the gate core with the knobs given.
     Gate(GateConfig),
+    /// prime-rl's adaptive episode concurrency (`crate::baselines::aimd`).
+    Aimd(AimdConfig),
+    /// ThunderAgent's tool-boundary pausing (`crate::baselines::pause`).
+    Pause(PauseConfig),
 }
 
 impl ModeSpec {
@@ -142,9 +157,11 @@ impl ModeSpec {
                 ..config
             }),
             "gate" => Self::Gate(config),
+            "aimd" => Self::Aimd(AimdConfig::default()),
+            "pause" => Self::Pause(PauseConfig::default()),
             other => {
                 return Err(Error::InvalidInput(format!(
-                    "unknown mode kind `{other}` (expected none, cap, seed or gate)"
+                    "unknown mode kind `{other}` (expected none, cap, seed, gate, aimd or pause)"
                 )));
             }
         })
@@ -156,6 +173,8 @@ impl ModeSpec {
             Self::None => Box::new(CapMode::new(None)),
             Self::Cap(n) => Box::new(CapMode::new(Some(*n as usize))),
             Self::Seed(c) | Self::Gate(c) => Box::new(GateMode::new(c.clone(), sessions)?),
+            Self::Aimd(c) => Box::new(AimdMode::new(c.clone())?),
+            Self::Pause(c) => Box::new(PauseMode::new(c.clone())?),
         })
     }
 }

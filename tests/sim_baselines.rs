@@ -1,0 +1,146 @@
+//! The production baselines as modes of the twin's virtual-time driver: `aimd` cancels episodes
+//! that then re-run from their first turn with the lost work counted, `pause` holds turns at
+//! tool boundaries and releases them on a tick; every session finishes every turn exactly once.
+use session_gate::baselines::{AimdConfig, PauseConfig};
+use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate};
+use session_gate::sim::{CostModel, Replica, ReplicaConfig};
+
+/// A profile whose steps all take 10 ms, whatever they schedule.
+fn flat_cost() -> CostModel {
+    let coef = |v: f64| format!("{{ value = {v}, source = \"test\" }}");
+    let text = format!(
+        "name = \"flat\"\ndescription = \"every step 10 ms\"\n\
+         [replica]\nkv_bytes_per_token = 1\nnum_blocks = 1024\nblock_size = 16\n\
+         max_num_seqs = 16\nmax_num_batched_tokens = 8192\nsource = \"test\"\n\
+         [cost]\nstep_sec = {}\nper_seq_sec = {}\nper_token_sec = {}\nweights_sec = {}\n\
+         prefill_attn_sec = {}\ndecode_ctx_sec = {}\n",
+        coef(0.01),
+        coef(0.0),
+        coef(0.0),
+        coef(0.0),
+        coef(0.0),
+        coef(0.0)
+    );
+    CostModel::from_toml("flat.toml", &text).unwrap()
+}
+
+/// `n` sessions of 6 turns on a 256-block (4,096-token) cache: ~1,500 tokens each at the end.
+fn sessions(n: usize) -> Vec<SessionSpec> {
+    (0..n)
+        .map(|i| SessionSpec {
+            session_id: format!("s{i}"),
+            system_tokens: 256,
+            task_tokens: 400,
+            arrival: 0.0,
+            turns: (0..6)
+                .map(|t| TurnSpec {
+                    append: if t == 0 { 0 } else { 120 },
+                    output: 24,
+                    tool_latency: 1.0 + 0.1 * (i % 5) as f64,
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+fn run(n: usize, mode: ModeSpec) -> SimOutput {
+    let config = ReplicaConfig {
+        num_blocks: 256,
+        block_size: 16,
+        max_num_seqs: 16,
+        max_num_batched_tokens: 8192,
+    };
+    let mut m = mode.build(n).unwrap();
+    simulate(
+        sessions(n),
+        3,
+        Replica::new(config, flat_cost()).unwrap(),
+        m.as_mut(),
+    )
+    .unwrap()
+}
+
+fn assert_every_turn_once(out: &SimOutput, n: usize) {
+    let mut keys: Vec<(usize, u32)> = out.records.iter().map(|r| (r.session, r.turn)).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), out.records.len(), "a turn recorded twice");
+    assert_eq!(keys.len(), n * 6);
+}
+
+#[test]
+fn the_baselines_are_modes_the_driver_knows_by_name() {
+    use session_gate::gate::GateConfig;
+    assert!(matches!(
+        ModeSpec::from_kind("aimd", 0, GateConfig::default()).unwrap(),
+        ModeSpec::Aimd(c) if c == AimdConfig::default()
+    ));
+    assert!(matches!(
+        ModeSpec::from_kind("pause", 0, GateConfig::default()).unwrap(),
+        ModeSpec::Pause(c) if c == PauseConfig::default()
+    ));
+}
+
+#[test]
+fn aimd_with_published_knobs_finishes_everything_and_records_no_loss_without_cancels() {
+    let out = run(8, ModeSpec::Aimd(AimdConfig::default()));
+    assert_every_turn_once(&out, 8);
+    if out.lost.cancellations == 0 {
+        assert_eq!((out.lost.turns, out.lost.tokens), (0, 0));
+    }
+}
+
+#[test]
+fn aimd_cancellations_rerun_episodes_from_the_first_turn_and_count_lost_work() {
+    // Hair trigger: any usage over 1% cuts to one episode and cancels the rest; a huge growth
+    // factor lets everyone back in after each clear completion, so cancels keep happening.
+    let config = AimdConfig {
+        initial_inflight: Some(8.0),
+        poll_interval_sec: 0.5,
+        cut_usage: 0.01,
+        cancel_usage: 0.02,
+        cut_target: 0.001,
+        cooldown_polls: 0,
+        growth: 100.0,
+        ..Default::default()
+    };
+    let out = run(8, ModeSpec::Aimd(config));
+    assert_every_turn_once(&out, 8);
+    assert!(out.lost.cancellations > 0);
+    assert!(out.lost.turns > 0 && out.lost.tokens > 0, "{:?}", out.lost);
+    assert!(out.records.iter().all(|r| r.reason == "aimd"));
+}
+
+#[test]
+fn pause_holds_turns_and_resumes_them_on_ticks() {
+    let config = PauseConfig {
+        pause_threshold: 0.5,
+        pause_target: 0.3,
+        resume_hysteresis: 0.1,
+        scheduler_interval_sec: 0.5,
+        resume_timeout_sec: 5.0,
+        ..Default::default()
+    };
+    let out = run(8, ModeSpec::Pause(config));
+    assert_every_turn_once(&out, 8);
+    let held: Vec<_> = out
+        .records
+        .iter()
+        .filter(|r| r.reason != "active")
+        .collect();
+    assert!(
+        !held.is_empty(),
+        "sessions past half the cache must be held"
+    );
+    assert!(held.iter().all(|r| r.wait_sec > 0.0));
+    let active = out.records.iter().filter(|r| r.reason == "active");
+    assert!(active.clone().count() > 0 && active.into_iter().all(|r| r.wait_sec == 0.0));
+}
+
+#[test]
+fn a_run_is_deterministic() {
+    let a = run(8, ModeSpec::Pause(PauseConfig::default()));
+    let b = run(8, ModeSpec::Pause(PauseConfig::default()));
+    assert_eq!(a.records, b.records);
+    assert_eq!(a.makespan_sec, b.makespan_sec);
+}
