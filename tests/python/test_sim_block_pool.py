@@ -24,23 +24,9 @@ BLOCK = 16
 
 
 def vllm_manager(num_blocks: int, max_model_len: int) -> Any:
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from session_gate.engine.inprocess import make_kv_cache_manager
 
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float16)
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-    )
-    return KVCacheManager(
-        config,
-        max_model_len=max_model_len,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-    )
+    return make_kv_cache_manager(num_blocks, BLOCK, max_model_len=max_model_len)
 
 
 def vllm_hasher() -> Any:
