@@ -3,26 +3,9 @@
 //! tool boundaries and releases them on a tick; every session finishes every turn exactly once.
 use session_gate::baselines::{AimdConfig, PauseConfig};
 use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate};
-use session_gate::sim::{CostModel, Replica, ReplicaConfig};
 
-/// A profile whose steps all take 10 ms, whatever they schedule.
-fn flat_cost() -> CostModel {
-    let coef = |v: f64| format!("{{ value = {v}, source = \"test\" }}");
-    let text = format!(
-        "name = \"flat\"\ndescription = \"every step 10 ms\"\n\
-         [replica]\nkv_bytes_per_token = 1\nnum_blocks = 1024\nblock_size = 16\n\
-         max_num_seqs = 16\nmax_num_batched_tokens = 8192\nsource = \"test\"\n\
-         [cost]\nstep_sec = {}\nper_seq_sec = {}\nper_token_sec = {}\nweights_sec = {}\n\
-         prefill_attn_sec = {}\ndecode_ctx_sec = {}\n",
-        coef(0.01),
-        coef(0.0),
-        coef(0.0),
-        coef(0.0),
-        coef(0.0),
-        coef(0.0)
-    );
-    CostModel::from_toml("flat.toml", &text).unwrap()
-}
+mod common;
+use common::flat_replica;
 
 /// `n` sessions of 6 turns on a 256-block (4,096-token) cache: ~1,500 tokens each at the end.
 fn sessions(n: usize) -> Vec<SessionSpec> {
@@ -44,20 +27,8 @@ fn sessions(n: usize) -> Vec<SessionSpec> {
 }
 
 fn run(n: usize, mode: ModeSpec) -> SimOutput {
-    let config = ReplicaConfig {
-        num_blocks: 256,
-        block_size: 16,
-        max_num_seqs: 16,
-        max_num_batched_tokens: 8192,
-    };
     let mut m = mode.build(n).unwrap();
-    simulate(
-        sessions(n),
-        3,
-        Replica::new(config, flat_cost()).unwrap(),
-        m.as_mut(),
-    )
-    .unwrap()
+    simulate(sessions(n), 3, flat_replica(256), m.as_mut()).unwrap()
 }
 
 fn assert_every_turn_once(out: &SimOutput, n: usize) {

@@ -3,38 +3,9 @@
 //! waits and wake-ups, all on a replica whose every step takes exactly 10 ms.
 use session_gate::gate::GateConfig;
 use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate};
-use session_gate::sim::{CostModel, Replica, ReplicaConfig};
 
-const STEP: f64 = 0.01;
-
-/// A profile whose steps all take `STEP` seconds, whatever they schedule.
-fn flat_cost() -> CostModel {
-    let coef = |v: f64| format!("{{ value = {v}, source = \"test\" }}");
-    let text = format!(
-        "name = \"flat\"\ndescription = \"every step 10 ms\"\n\
-         [replica]\nkv_bytes_per_token = 1\nnum_blocks = 1024\nblock_size = 16\n\
-         max_num_seqs = 16\nmax_num_batched_tokens = 8192\nsource = \"test\"\n\
-         [cost]\nstep_sec = {}\nper_seq_sec = {}\nper_token_sec = {}\nweights_sec = {}\n\
-         prefill_attn_sec = {}\ndecode_ctx_sec = {}\n",
-        coef(STEP),
-        coef(0.0),
-        coef(0.0),
-        coef(0.0),
-        coef(0.0),
-        coef(0.0)
-    );
-    CostModel::from_toml("flat.toml", &text).unwrap()
-}
-
-fn replica(num_blocks: u32) -> Replica {
-    let config = ReplicaConfig {
-        num_blocks,
-        block_size: 16,
-        max_num_seqs: 16,
-        max_num_batched_tokens: 8192,
-    };
-    Replica::new(config, flat_cost()).unwrap()
-}
+mod common;
+use common::{STEP, flat_replica as replica};
 
 fn session(
     id: &str,
