@@ -95,9 +95,9 @@ fn aimd_with_published_thresholds_cancels_once_an_oversized_start_crosses_the_ha
         ..AimdConfig::default().scaled(0.1).unwrap()
     };
     let out = run(8, ModeSpec::Aimd(config));
+    // Cancelled episodes ran again from their first turn: every turn is recorded once.
     assert_every_turn_once(&out, 8);
     assert!(out.lost.cancellations > 0, "{:?}", out.lost);
-    assert!(out.lost.turns > 0 && out.lost.tokens > 0, "{:?}", out.lost);
 }
 
 #[test]
