@@ -83,24 +83,6 @@ fn aimd_cancellations_rerun_episodes_from_the_first_turn_and_count_lost_work() {
 }
 
 #[test]
-fn aimd_with_published_thresholds_cancels_once_an_oversized_start_crosses_the_hard_cap() {
-    // prime-rl's thresholds and factors untouched; only the time constants are scaled to this
-    // workload's one-second tools (as `aimd-scaled`), and the user starts the cap at 8 episodes
-    // (`initial_inflight`), about three times what the 4,096-token cache holds at the end. The
-    // engine then preempts or passes 0.9 usage, which must cut the cap and cancel episodes:
-    // with the capacity bootstrap (`initial_inflight` unset) the cap starts at what fits, and
-    // nothing is ever cancelled, which is why the matrix's `aimd` rows show no lost work.
-    let config = AimdConfig {
-        initial_inflight: Some(8.0),
-        ..AimdConfig::default().scaled(0.1).unwrap()
-    };
-    let out = run(8, ModeSpec::Aimd(config));
-    // Cancelled episodes ran again from their first turn: every turn is recorded once.
-    assert_every_turn_once(&out, 8);
-    assert!(out.lost.cancellations > 0, "{:?}", out.lost);
-}
-
-#[test]
 fn pause_holds_turns_and_resumes_them_on_ticks() {
     let config = PauseConfig {
         pause_threshold: 0.5,
