@@ -163,3 +163,71 @@ def time_steps(
         del llm, engine, core
         gc.collect()
     return steps
+
+
+class StepLog:
+    """Per-output-batch records of a running ``AsyncLLM`` (one batch per engine step that
+    produced output), taken from vLLM's own stats (``StatLoggerBase.record``): the client's time,
+    the engine's step counter, running / waiting requests, KV usage, prefix-cache queries and
+    hits, prompt and generated tokens, preemptions. Nothing runs in the engine core: vLLM
+    computes these stats anyway when stats are on (the default for ``AsyncLLM``).
+
+    ``factory()`` is a ``stat_loggers`` entry; ``mark(label)`` inserts a label row (the bench
+    marks each mode's start)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def async_llm(self, **kwargs: Any) -> Any:
+        """``launch.make_async_llm(**kwargs)`` with this log among its stat loggers."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from session_gate.engine.launch import tiny_engine_args
+
+        engine_args = AsyncEngineArgs(**tiny_engine_args(**kwargs))
+        return AsyncLLM.from_engine_args(engine_args, stat_loggers=[self.factory()])
+
+    def mark(self, label: str) -> None:
+        self.rows.append({"mark": label, "t": time.time()})
+
+    def factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        rows = self.rows
+
+        class _Recorder(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                row: dict[str, Any] = {"t": time.time()}
+                if scheduler_stats is not None:
+                    pc = scheduler_stats.prefix_cache_stats
+                    row.update(
+                        step=scheduler_stats.step_counter,
+                        running=scheduler_stats.num_running_reqs,
+                        waiting=scheduler_stats.num_waiting_reqs,
+                        usage=round(scheduler_stats.kv_cache_usage, 4),
+                        queries=pc.queries,
+                        hits=pc.hits,
+                    )
+                if iteration_stats is not None:
+                    row.update(
+                        prompt=iteration_stats.num_prompt_tokens,
+                        gen=iteration_stats.num_generation_tokens,
+                        preempted=iteration_stats.num_preempted_reqs,
+                        finished=len(iteration_stats.finished_requests),
+                    )
+                rows.append(row)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Recorder
