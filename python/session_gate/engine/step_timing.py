@@ -166,11 +166,12 @@ def time_steps(
 
 
 class StepLog:
-    """Per-output-batch records of a running ``AsyncLLM`` (one batch per engine step that
-    produced output), taken from vLLM's own stats (``StatLoggerBase.record``): the client's time,
+    """Per-step records of a running ``AsyncLLM``, taken from vLLM's own stats
+    (``StatLoggerBase.record``) with ``enable_logging_iteration_details`` on: the client's time,
     the engine's step counter, running / waiting requests, KV usage, prefix-cache queries and
-    hits, prompt and generated tokens, preemptions. Nothing runs in the engine core: vLLM
-    computes these stats anyway when stats are on (the default for ``AsyncLLM``).
+    hits, prompt and generated tokens, preemptions, and per iteration the prefill ("context")
+    and decode requests and tokens and how long the core blocked on the worker. The engine core
+    only fills in what its stats already hold, plus a small per-step summary.
 
     ``factory()`` is a ``stat_loggers`` entry; ``mark(label)`` inserts a label row (the bench
     marks each mode's start)."""
@@ -185,7 +186,14 @@ class StepLog:
 
         from session_gate.engine.launch import tiny_engine_args
 
-        engine_args = AsyncEngineArgs(**tiny_engine_args(**kwargs))
+        # vLLM's own per-iteration details (prefill and decode requests and tokens of every
+        # step, and how long the core blocked on the worker); its default loggers off, so the
+        # details are not also printed line by line (stats stay on: a custom logger is given).
+        engine_args = AsyncEngineArgs(
+            **tiny_engine_args(**kwargs),
+            enable_logging_iteration_details=True,
+            disable_log_stats=True,
+        )
         return AsyncLLM.from_engine_args(engine_args, stat_loggers=[self.factory()])
 
     def mark(self, label: str) -> None:
@@ -217,7 +225,19 @@ class StepLog:
                         usage=round(scheduler_stats.kv_cache_usage, 4),
                         queries=pc.queries,
                         hits=pc.hits,
+                        preempted_queries=pc.preempted_queries,
+                        preempted_hits=pc.preempted_hits,
                     )
+                    d = scheduler_stats.iteration_details
+                    if d is not None:
+                        row.update(
+                            it=d.iteration_index,
+                            ctx_reqs=d.num_ctx_requests,
+                            ctx_tokens=d.num_ctx_tokens,
+                            gen_reqs=d.num_generation_requests,
+                            gen_tokens=d.num_generation_tokens,
+                            blocked_ms=round(d.elapsed_ms, 3),
+                        )
                 if iteration_stats is not None:
                     row.update(
                         prompt=iteration_stats.num_prompt_tokens,
