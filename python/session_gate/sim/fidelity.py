@@ -9,6 +9,10 @@ prefill-token error (%), the error of the makespan ratio to ``none`` (%), and wh
 come out in the same order by makespan. The last line is JSON with the largest errors and
 whether issue 9's targets hold (hit rate within 0.03, prefill tokens within 10%, makespan ratio
 to ``none`` within 15%, same ordering).
+
+``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
+(``session_gate.engine.step_timing.StepLog``: per iteration its prefill and decode requests and
+tokens, KV usage, prefix hits, and the client's time), to explain a makespan gap step by step.
 """
 
 from __future__ import annotations
