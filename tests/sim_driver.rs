@@ -284,7 +284,7 @@ fn a_probe_the_engine_cannot_answer_within_probe_timeout_fails() {
         33,
         ModeSpec::from_kind("seed", 0, config).unwrap(),
     );
-    let stats = out.gate_stats.unwrap();
+    let stats = out.gate_stats.clone().unwrap();
     let usage = stats.probe(session_gate::gate::ProbeKind::Usage);
     assert!(usage.failures >= 1, "{usage:?}");
     let b = of(&out, 1)[0];
