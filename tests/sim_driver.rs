@@ -252,6 +252,47 @@ fn the_seed_gate_runs_the_core_with_engine_pressure() {
 }
 
 #[test]
+fn probes_asked_while_the_engine_steps_are_answered_at_the_next_step_boundary() {
+    // b arrives 1 ms into a's first 10 ms step: vLLM's engine core serves the probe between
+    // steps, so its usage answer comes at 10 ms, and its admission no earlier.
+    let out = run(
+        contending(&[(0, 8, 1.0)]),
+        33,
+        ModeSpec::from_kind("seed", 0, GateConfig::default()).unwrap(),
+    );
+    let b = of(&out, 1)[0];
+    assert_eq!(b.reason, "open");
+    assert!(close(b.wait_sec, STEP - 0.001), "{b:?}");
+    let stats = out.gate_stats.unwrap();
+    let usage = stats.probe(session_gate::gate::ProbeKind::Usage);
+    assert_eq!(usage.failures, 0);
+    // a's probe found an idle engine (answered at once), b's waited 9 ms.
+    assert_eq!(usage.latency.count, 2);
+    assert!(close(usage.latency.sum, STEP - 0.001), "{usage:?}");
+}
+
+#[test]
+fn a_probe_the_engine_cannot_answer_within_probe_timeout_fails() {
+    // Steps of 10 ms, a 4 ms probe timeout: b's probe, asked 1 ms into a step, times out at
+    // 5 ms, as the production drivers time it out; the seed then treats usage as unknown.
+    let config = GateConfig {
+        probe_timeout_sec: 0.004,
+        ..GateConfig::default()
+    };
+    let out = run(
+        contending(&[(0, 8, 1.0)]),
+        33,
+        ModeSpec::from_kind("seed", 0, config).unwrap(),
+    );
+    let stats = out.gate_stats.clone().unwrap();
+    let usage = stats.probe(session_gate::gate::ProbeKind::Usage);
+    assert!(usage.failures >= 1, "{usage:?}");
+    let b = of(&out, 1)[0];
+    assert!(b.wait_sec >= 0.004 - 1e-9, "{b:?}");
+    assert_eq!(stats.admissions_total(), 2);
+}
+
+#[test]
 fn runs_are_deterministic() {
     let sessions = || {
         (0..6)

@@ -53,9 +53,24 @@ const NIL: u32 = u32::MAX;
 #[derive(Debug, Clone)]
 struct Block {
     ref_cnt: u32,
+    /// Bumped whenever the block gains or loses a hash, so a [`Witness`] taken while it held
+    /// one proves, while the stamp is unchanged, that it still holds the same hash.
+    stamp: u32,
     hash: Option<BlockHash>,
     prev: u32,
     next: u32,
+}
+
+/// Proof of a cache hit that can be re-checked without a cached-map lookup (an array read): the
+/// block found, its stamp then, and the hash it was found under. While the block's stamp is
+/// unchanged it still holds that hash, and it is still the block a lookup of the hash returns
+/// (blocks under one hash are kept in insertion order and it was the first then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Witness {
+    /// The block found.
+    pub block: BlockId,
+    stamp: u32,
+    hash: BlockHash,
 }
 
 /// Blocks cached under one hash: almost always one, in insertion order otherwise (boxed so
@@ -87,6 +102,9 @@ pub struct BlockPool {
     /// Free blocks that still hold a hash (what the usage probe calls cached-free).
     num_cached_free: u32,
     cached: IdMap<BlockHash, Cached>,
+    /// Hashes dropped from the cached map so far: while it is unchanged, every witness that held
+    /// still holds (a chain of hits can only grow).
+    removals: u64,
 }
 
 impl BlockPool {
@@ -103,6 +121,7 @@ impl BlockPool {
         let mut blocks: Vec<Block> = (0..n + 2)
             .map(|_| Block {
                 ref_cnt: 0,
+                stamp: 0,
                 hash: None,
                 prev: NIL,
                 next: NIL,
@@ -121,6 +140,7 @@ impl BlockPool {
             num_free: num_blocks,
             num_cached_free: 0,
             cached: IdMap::default(),
+            removals: 0,
         };
         // The null block: popped once, never freed, its ref count not maintained.
         let null = pool.pop_front();
@@ -162,6 +182,26 @@ impl BlockPool {
     /// `get_cached_block`: the first block cached under `hash`, if any.
     pub fn cached_block(&self, hash: BlockHash) -> Option<BlockId> {
         self.cached.get(&hash).map(Cached::first)
+    }
+
+    /// A lookup of `hash` with a witness for later re-checks ([`Self::still_cached`]).
+    pub fn cached_witness(&self, hash: BlockHash) -> Option<Witness> {
+        self.cached_block(hash).map(|block| Witness {
+            block,
+            stamp: self.blocks[block as usize].stamp,
+            hash,
+        })
+    }
+
+    /// Whether `w` still proves its hit: its block still holds `hash`, and a lookup of `hash`
+    /// would still return it. O(1), no map lookup.
+    pub fn still_cached(&self, w: &Witness, hash: BlockHash) -> bool {
+        w.hash == hash && self.blocks[w.block as usize].stamp == w.stamp
+    }
+
+    /// Hashes removed from the cached map so far (evictions of reused blocks).
+    pub fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// Number of distinct hashes in the cached map (`len(cached_block_hash_to_block)`).
@@ -266,6 +306,7 @@ impl BlockPool {
         }
         debug_assert!(blk.hash.is_none(), "re-hashing block {block}");
         blk.hash = Some(hash);
+        blk.stamp = blk.stamp.wrapping_add(1);
         match self.cached.get_mut(&hash) {
             None => {
                 self.cached.insert(hash, Cached::One(block));
@@ -279,9 +320,12 @@ impl BlockPool {
 
     /// `_maybe_evict_cached_block` for a block just popped from the queue.
     fn evict_hash(&mut self, b: BlockId) {
-        let Some(hash) = self.blocks[b as usize].hash.take() else {
+        let blk = &mut self.blocks[b as usize];
+        let Some(hash) = blk.hash.take() else {
             return;
         };
+        blk.stamp = blk.stamp.wrapping_add(1);
+        self.removals += 1;
         if let Some(c) = self.cached.get_mut(&hash) {
             match c {
                 Cached::One(only) => {

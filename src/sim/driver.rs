@@ -138,6 +138,7 @@ pub fn simulate(
         makespan: 0.0,
         aborted: HashSet::new(),
         lost: LostWork::default(),
+        stepping: false,
     };
     sim.run(mode)?;
     Ok(SimOutput {
@@ -166,6 +167,8 @@ struct Sim {
     /// Requests aborted by a cancel: their outcome in a step already under way is dropped.
     aborted: HashSet<u64>,
     lost: LostWork,
+    /// Whether an engine step is in flight.
+    stepping: bool,
 }
 
 impl Sim {
@@ -174,8 +177,19 @@ impl Sim {
         let mut stalls = 0u32;
         while self.finished < self.clients.len() {
             self.settle(mode)?;
-            if step.is_none() {
+            while step.is_none() {
                 step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
+                self.stepping = step.is_some();
+                // A step boundary: the mode's queued probes are answered now, with the next
+                // step already scheduled (vLLM's busy loop under async scheduling). What they
+                // admit joins the waiting queue; an idle engine schedules it at once.
+                let mut ctx = self.ctx();
+                mode.step_boundary(&mut ctx)?;
+                let reacted = !self.commands.is_empty() || !self.notes.is_empty();
+                self.settle(mode)?;
+                if step.is_some() || !reacted {
+                    break;
+                }
             }
             let next = [
                 step.as_ref().map(|(end, _)| *end),
@@ -199,6 +213,7 @@ impl Sim {
             }
             if step.as_ref().is_some_and(|(end, _)| *end <= self.now) {
                 let (_, outcome) = step.take().expect("checked");
+                self.stepping = false;
                 self.step_done(outcome)?;
             }
             while let Some(event) = self.events.pop_due(self.now) {
@@ -215,11 +230,14 @@ impl Sim {
     }
 
     fn ctx(&mut self) -> Ctx<'_> {
+        let engine_busy =
+            self.stepping || self.replica.num_running() > 0 || self.replica.num_waiting() > 0;
         Ctx {
             now: self.now,
             replica: &self.replica,
             clients: &self.clients,
             commands: &mut self.commands,
+            engine_busy,
         }
     }
 

@@ -7,7 +7,7 @@
 //! A request's blocks live in its own [`ReqKv`] (vLLM's `req_to_blocks[request_id]` and
 //! `num_cached_block[request_id]`), so no per-request map is needed.
 use super::BlockHash;
-use super::block_pool::{BlockId, BlockPool};
+use super::block_pool::{BlockId, BlockPool, Witness};
 
 /// One request's KV blocks.
 #[derive(Debug, Clone, Default)]
@@ -16,6 +16,39 @@ pub struct ReqKv {
     pub blocks: Vec<BlockId>,
     /// Leading blocks already in the cached map (`num_cached_block`).
     pub num_cached: u32,
+}
+
+/// A remembered chain of prefix hits for one hash chain, so the next lookup of the same prompt
+/// re-checks witnesses (array reads) instead of looking every block up again, and skips even
+/// that while nothing was removed from the cached map. The answer is always the one a fresh
+/// lookup gives (the memo makes lookups cheaper, never different).
+///
+/// The scheduler keeps one for the head of the waiting queue (vLLM looks the head up again on
+/// every step it cannot be admitted); the gate driver keeps one per session for its probes.
+#[derive(Debug, Clone, Default)]
+pub struct HitMemo {
+    /// Whose chain this is (a request id, a session); another key starts over.
+    key: Option<u64>,
+    /// `pool.removals()` when the witnesses were last known to hold.
+    removals: u64,
+    witnesses: Vec<Witness>,
+}
+
+impl HitMemo {
+    /// The memoised hit blocks, in order (valid right after a lookup through this memo).
+    pub fn blocks(&self) -> impl ExactSizeIterator<Item = BlockId> + '_ {
+        self.witnesses.iter().map(|w| w.block)
+    }
+
+    /// Number of memoised hit blocks.
+    pub fn len(&self) -> usize {
+        self.witnesses.len()
+    }
+
+    /// Whether no hit is memoised.
+    pub fn is_empty(&self) -> bool {
+        self.witnesses.is_empty()
+    }
 }
 
 /// The KV-cache manager: the block pool plus vLLM's allocation rules.
@@ -66,6 +99,44 @@ impl KvManager {
                 None => break,
             }
         }
+    }
+
+    /// [`Self::find_longest_cache_hit`] through `memo` (keyed by `key`, whose hash chain
+    /// `block_hashes` must be for the memo's whole life): leading witnesses that still hold are
+    /// kept — all of them, unchecked, while the cached map lost no hash — and the chain is
+    /// extended by lookups from the first that does not. Returns the hit blocks' count; the
+    /// blocks are `memo.blocks()`.
+    pub fn cache_hit_memo(
+        &self,
+        key: u64,
+        block_hashes: &[BlockHash],
+        num_tokens: u32,
+        memo: &mut HitMemo,
+    ) -> u32 {
+        let pool = &self.pool;
+        if memo.key != Some(key) {
+            memo.key = Some(key);
+            memo.witnesses.clear();
+        } else if memo.removals != pool.removals() {
+            let held = memo
+                .witnesses
+                .iter()
+                .zip(block_hashes)
+                .take_while(|(w, h)| pool.still_cached(w, **h))
+                .count();
+            memo.witnesses.truncate(held);
+        }
+        memo.removals = pool.removals();
+        let cap = (num_tokens.saturating_sub(1) / self.block_size) as usize;
+        let cap = cap.min(block_hashes.len());
+        memo.witnesses.truncate(cap);
+        while memo.witnesses.len() < cap {
+            match pool.cached_witness(block_hashes[memo.witnesses.len()]) {
+                Some(w) => memo.witnesses.push(w),
+                None => break,
+            }
+        }
+        memo.witnesses.len() as u32
     }
 
     /// Read-only hit count (blocks) for a prompt, the same rule as [`Self::find_longest_cache_hit`].
@@ -159,5 +230,73 @@ impl KvManager {
         self.pool.free_blocks(blocks.iter().copied());
         self.scratch = blocks;
         kv.num_cached = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny xorshift, so the test needs no crate and is the same on every run.
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    /// Requests over a few shared hash chains fill, evict and re-cache a small pool; after
+    /// every operation each memo (one per chain, reused across operations, as the scheduler's
+    /// and the gate driver's are) answers exactly what a fresh lookup answers.
+    #[test]
+    fn memoised_hits_always_equal_a_fresh_lookup() {
+        let bs = 4;
+        let mut kv = KvManager::new(40, bs, 39 * bs);
+        let chains: Vec<Vec<BlockHash>> = (0..6u64)
+            .map(|c| {
+                // Chains c and c + 3 share their first 10 blocks (hashes are chained).
+                let fork = |i: u64| if i < 10 { 0 } else { (c / 3 + 1) << 16 };
+                (0..30u64).map(|i| (c % 3) << 32 | fork(i) | i).collect()
+            })
+            .collect();
+        let mut memos = vec![HitMemo::default(); chains.len()];
+        let mut live: Vec<ReqKv> = Vec::new();
+        let mut rng = Rng(0x9E37_79B9);
+        let mut fresh = Vec::new();
+        let mut hits_seen = 0;
+        for step in 0..20_000 {
+            if live.len() < 6 && rng.below(2) == 0 {
+                let c = rng.below(chains.len() as u64) as usize;
+                let tokens = 1 + rng.below(u64::from(bs) * 12) as u32;
+                kv.find_longest_cache_hit(&chains[c], tokens, &mut fresh);
+                let computed = fresh.clone();
+                let new = tokens - computed.len() as u32 * bs;
+                let mut req = ReqKv::default();
+                if kv.allocate_slots(&mut req, 0, new, &computed, tokens, &chains[c], true) {
+                    live.push(req);
+                }
+            } else if !live.is_empty() {
+                let i = rng.below(live.len() as u64) as usize;
+                let mut req = live.swap_remove(i);
+                kv.free(&mut req);
+            }
+            for (c, memo) in memos.iter_mut().enumerate() {
+                let tokens = 1 + ((step as u32 * 7 + c as u32 * 13) % (bs * 14));
+                let n = kv.cache_hit_memo(c as u64, &chains[c], tokens, memo);
+                kv.find_longest_cache_hit(&chains[c], tokens, &mut fresh);
+                assert_eq!(n as usize, fresh.len(), "step {step}, chain {c}");
+                assert!(
+                    memo.blocks().eq(fresh.iter().copied()),
+                    "step {step}, chain {c}"
+                );
+                assert_eq!(n, kv.count_hit_blocks(&chains[c], tokens));
+                hits_seen += n;
+            }
+        }
+        assert!(kv.pool.removals() > 1000, "the pool evicted cached blocks");
+        assert!(hits_seen > 10_000, "the memos had hits to remember");
     }
 }

@@ -1,7 +1,7 @@
 //! [`Replica`]: one modelled vLLM replica — scheduler, KV-cache manager and cost model behind
 //! the calls a driver makes (add, abort, step, and the two probes the gate asks).
 use super::cost::CostModel;
-use super::kv_manager::KvManager;
+use super::kv_manager::{HitMemo, KvManager};
 use super::scheduler::{Scheduled, Scheduler, SchedulerLimits};
 use super::{BlockHash, ReplicaConfig, SimRequest, StepOutcome};
 use crate::gate::{PrefixReport, UsageReport};
@@ -170,6 +170,10 @@ impl Replica {
     /// Read-only: what the real plugin's prefix probe would answer for this prompt now.
     pub fn probe_prefix(&self, block_hashes: &[BlockHash], prompt_tokens: u32) -> PrefixReport {
         let hit_blocks = self.sched.kv.count_hit_blocks(block_hashes, prompt_tokens);
+        self.prefix_report(hit_blocks, prompt_tokens)
+    }
+
+    fn prefix_report(&self, hit_blocks: u32, prompt_tokens: u32) -> PrefixReport {
         let hit_tokens = (u64::from(hit_blocks) * u64::from(self.config.block_size))
             .min(u64::from(prompt_tokens));
         PrefixReport {
@@ -182,6 +186,22 @@ impl Replica {
             hit_tokens,
             prompt_tokens: u64::from(prompt_tokens),
         }
+    }
+
+    /// [`Self::probe_prefix`] through a caller's memo of the same hash chain (keyed by `key`;
+    /// see [`HitMemo`]): the same answer, without looking up again the blocks that still hold.
+    pub fn probe_prefix_memo(
+        &self,
+        key: u64,
+        block_hashes: &[BlockHash],
+        prompt_tokens: u32,
+        memo: &mut HitMemo,
+    ) -> PrefixReport {
+        let hit_blocks = self
+            .sched
+            .kv
+            .cache_hit_memo(key, block_hashes, prompt_tokens, memo);
+        self.prefix_report(hit_blocks, prompt_tokens)
     }
 
     /// Running requests.

@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 
 use super::block_pool::{BlockId, IdMap};
 use super::cost::StepWork;
-use super::kv_manager::{KvManager, ReqKv};
+use super::kv_manager::{HitMemo, KvManager, ReqKv};
 use super::{FinishedRequest, SimRequest};
 
 /// Scheduler limits (vLLM's `SchedulerConfig`).
@@ -74,6 +74,9 @@ pub struct Scheduler {
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     hit_scratch: Vec<BlockId>,
+    /// The waiting head's hit chain: vLLM looks the head up again on every step it cannot be
+    /// admitted; the memo makes that lookup O(1) while the cached map lost nothing.
+    head_memo: HitMemo,
     /// Cumulative preemptions.
     pub num_preemptions: u64,
 }
@@ -88,6 +91,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             hit_scratch: Vec::new(),
+            head_memo: HitMemo::default(),
             num_preemptions: 0,
         }
     }
@@ -217,11 +221,10 @@ impl Scheduler {
                 let st = self.reqs.get_mut(&id).expect("waiting request is known");
                 let num_tokens = st.num_tokens();
                 // Waiting requests always have num_computed 0 here (new or preempted).
-                self.kv.find_longest_cache_hit(
-                    &st.req.block_hashes,
-                    num_tokens,
-                    &mut self.hit_scratch,
-                );
+                self.kv
+                    .cache_hit_memo(id, &st.req.block_hashes, num_tokens, &mut self.head_memo);
+                self.hit_scratch.clear();
+                self.hit_scratch.extend(self.head_memo.blocks());
                 let hit_tokens = self.hit_scratch.len() as u32 * self.kv.block_size();
                 if st.num_preemptions == 0 {
                     st.num_cached_tokens = Some(hit_tokens);

@@ -5,7 +5,8 @@ one ``llm_engine.step()`` is one scheduler step plus the model run and output pr
 scheduler's ``schedule`` is wrapped to record, per scheduled request, ``(scheduled tokens,
 computed tokens before, num_tokens, num_output_tokens)`` — the inputs of the twin's cost model
 (``session_gate._native.sim_step_features``). Async scheduling is off so each timed call is
-exactly one step (the twin models steps one after another).
+exactly one step (the twin models steps one after another). The model runs in a separate worker
+process pinned to one core (``distributed_executor_backend="mp"``), as in the bench's engine.
 
 Used by ``python -m session_gate.sim.calibrate``; an engine is started and shut down here.
 """
@@ -32,6 +33,18 @@ class Scenario:
     name: str
     arrivals: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
     """step -> [(prefix key, prompt tokens, max_tokens)]; prefix key 0 means no sharing."""
+
+
+@dataclass
+class Replay:
+    """An agentic workload's sessions replayed turn by turn, all sessions' turn ``t`` submitted
+    together once every turn ``t - 1`` finished (no tool waits): steps with what the bench's
+    steps hold — many requests, a shared system prompt, histories hitting or missing the
+    prefix cache, a full cache evicting — which synthetic scenarios alone do not reproduce."""
+
+    name: str
+    sessions: list[tuple[int, int, list[tuple[int, int]]]]
+    """(system tokens, task tokens, [(appended tokens, max_tokens) per turn]) per session."""
 
 
 @dataclass
@@ -73,6 +86,7 @@ def calibration_scenarios(max_prompt: int = 8000) -> list[Scenario]:
 def time_steps(
     scenarios: Iterable[Scenario],
     *,
+    replays: Iterable[Replay] = (),
     repeats: int = 2,
     num_blocks: int = 1024,
     block_size: int = 32,
@@ -81,7 +95,8 @@ def time_steps(
     seed: int = 0,
     progress: Any = None,
 ) -> list[TimedStep]:
-    """Runs every scenario ``repeats`` times on one fresh tiny engine; returns every step."""
+    """Runs every scenario ``repeats`` times, then every replay once, on one fresh tiny engine;
+    returns every step."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
@@ -93,6 +108,11 @@ def time_steps(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         async_scheduling=False,
+        # The bench's engine (an AsyncLLM) runs the model in a worker process that vLLM's CPU
+        # backend pins to one core (the other is reserved for the engine core); in-process the
+        # default executor runs it unpinned in this process, and its steps came out up to 1.7x
+        # faster than the bench's. Time the bench's kind of worker.
+        distributed_executor_backend="mp",
     )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
@@ -158,8 +178,131 @@ def time_steps(
                 if rep == 0 or len(captured) != 1 or not captured[0]:
                     continue  # the warm-up, or a call that scheduled nothing
                 steps.append(TimedStep(sc.name, seconds, captured[0]))
+        for replay in replays:
+            if progress:
+                progress(replay.name)
+            llm.reset_prefix_cache()
+            system = [rng.randrange(3, 4096) for _ in range(max(s[0] for s in replay.sessions))]
+            histories = [
+                system[:sys_tokens] + [rng.randrange(3, 4096) for _ in range(task)]
+                for sys_tokens, task, _ in replay.sessions
+            ]
+            rounds = max(len(turns) for _, _, turns in replay.sessions)
+            for t in range(rounds):
+                live = {}
+                for i, (_, _, turns) in enumerate(replay.sessions):
+                    if t >= len(turns):
+                        continue
+                    append, max_tokens = turns[t]
+                    histories[i] += [rng.randrange(3, 4096) for _ in range(append)]
+                    counter += 1
+                    live[f"cal-{counter}"] = i
+                    engine.add_request(
+                        f"cal-{counter}",
+                        {"prompt_token_ids": list(histories[i])},
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                    )
+                while engine.has_unfinished_requests():
+                    captured.clear()
+                    gc.collect(0)
+                    t0 = time.perf_counter()
+                    outputs = engine.step()
+                    seconds = time.perf_counter() - t0
+                    for out in outputs:
+                        if out.finished and out.request_id in live:
+                            histories[live[out.request_id]] += list(out.outputs[0].token_ids)
+                    if len(captured) == 1 and captured[0]:
+                        steps.append(TimedStep(replay.name, seconds, captured[0]))
     finally:
         sched.schedule = original
         del llm, engine, core
         gc.collect()
     return steps
+
+
+class StepLog:
+    """Per-step records of a running ``AsyncLLM``, taken from vLLM's own stats
+    (``StatLoggerBase.record``) with ``enable_logging_iteration_details`` on: the client's time,
+    the engine's step counter, running / waiting requests, KV usage, prefix-cache queries and
+    hits, prompt and generated tokens, preemptions, and per iteration the prefill ("context")
+    and decode requests and tokens and how long the core blocked on the worker. The engine core
+    only fills in what its stats already hold, plus a small per-step summary.
+
+    ``factory()`` is a ``stat_loggers`` entry; ``mark(label)`` inserts a label row (the bench
+    marks each mode's start)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def async_llm(self, **kwargs: Any) -> Any:
+        """``launch.make_async_llm(**kwargs)`` with this log among its stat loggers."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from session_gate.engine.launch import tiny_engine_args
+
+        # vLLM's own per-iteration details (prefill and decode requests and tokens of every
+        # step, and how long the core blocked on the worker); its default loggers off, so the
+        # details are not also printed line by line (stats stay on: a custom logger is given).
+        engine_args = AsyncEngineArgs(
+            **tiny_engine_args(**kwargs),
+            enable_logging_iteration_details=True,
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(engine_args, stat_loggers=[self.factory()])
+
+    def mark(self, label: str) -> None:
+        self.rows.append({"mark": label, "t": time.time()})
+
+    def factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        rows = self.rows
+
+        class _Recorder(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(
+                self,
+                scheduler_stats: Any,
+                iteration_stats: Any,
+                mm_cache_stats: Any = None,
+                engine_idx: int = 0,
+            ) -> None:
+                row: dict[str, Any] = {"t": time.time()}
+                if scheduler_stats is not None:
+                    pc = scheduler_stats.prefix_cache_stats
+                    row.update(
+                        step=scheduler_stats.step_counter,
+                        running=scheduler_stats.num_running_reqs,
+                        waiting=scheduler_stats.num_waiting_reqs,
+                        usage=round(scheduler_stats.kv_cache_usage, 4),
+                        queries=pc.queries,
+                        hits=pc.hits,
+                        preempted_queries=pc.preempted_queries,
+                        preempted_hits=pc.preempted_hits,
+                    )
+                    d = scheduler_stats.iteration_details
+                    if d is not None:
+                        row.update(
+                            it=d.iteration_index,
+                            ctx_reqs=d.num_ctx_requests,
+                            ctx_tokens=d.num_ctx_tokens,
+                            gen_reqs=d.num_generation_requests,
+                            gen_tokens=d.num_generation_tokens,
+                            blocked_ms=round(d.elapsed_ms, 3),
+                        )
+                if iteration_stats is not None:
+                    row.update(
+                        prompt=iteration_stats.num_prompt_tokens,
+                        gen=iteration_stats.num_generation_tokens,
+                        preempted=iteration_stats.num_preempted_reqs,
+                        finished=len(iteration_stats.finished_requests),
+                    )
+                rows.append(row)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Recorder

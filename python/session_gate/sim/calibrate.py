@@ -3,7 +3,10 @@ machine's CPU engine.
 
 It times real engine steps of the bench's tiny CPU engine (1,024 blocks x 32 tokens,
 ``max_num_seqs`` 16, ``max_num_batched_tokens`` 8,192) across prefill sizes, cached prefixes,
-decode batch sizes and contexts, and mixed steps (``session_gate.engine.step_timing``); fits the
+decode batch sizes and contexts, and mixed steps, then the bench's own ``default`` workload
+replayed turn by turn (``--replay-turns``: steps with many requests, a shared system prompt and
+a full cache, which the synthetic scenarios alone under-predict by 1.4-1.9x) — all through
+``session_gate.engine.step_timing``; fits the
 profile's coefficients by non-negative least squares (seconds), using the twin's own
 regressors (``_native.sim_step_features``, the Rust ``StepWork``); prints the fit error; and
 writes the profile TOML, which it then reads back through the Rust parser to check it.
@@ -107,12 +110,32 @@ class _Step:
     entries: list[tuple[int, int, int, int]]
 
 
+def _replay(turns: int) -> Any:
+    """The bench's ``default`` workload (its sessions, prompts and outputs) for ``turns`` turns,
+    as steps to time: the steps the twin has to predict for the bench look like these."""
+    from session_gate.bench.workloads import WORKLOADS
+    from session_gate.engine.step_timing import Replay
+
+    workload = WORKLOADS["default"](0)
+    sessions = [
+        (s.system_tokens, s.task_tokens, [(t.append, t.output) for t in s.turns[:turns]])
+        for s in workload.sessions
+    ]
+    return Replay(f"replay-default-{turns}", sessions)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m session_gate.sim.calibrate", description=__doc__)
     p.add_argument("--out", default="cpu-tiny.toml", help="where to write the profile TOML")
     p.add_argument("--repeats", type=int, default=2, help="runs of every scenario")
     p.add_argument("--quick", action="store_true", help="a few scenarios only (smoke test)")
     p.add_argument("--max-prompt", type=int, default=8000)
+    p.add_argument(
+        "--replay-turns",
+        type=int,
+        default=6,
+        help="also time the bench's default workload replayed for this many turns (0: none)",
+    )
     p.add_argument("--steps-json", help="also write every timed step here (for --from-steps)")
     p.add_argument("--from-steps", help="fit steps saved by --steps-json; starts no engine")
     return p.parse_args(argv)
@@ -134,8 +157,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.quick:
             keep = {"prefill-128", "prefill-2048", "cached-1024+512", "decode-4x64"}
             scenarios = [s for s in scenarios if s.name in keep]
+        replays = [] if args.quick or not args.replay_turns else [_replay(args.replay_turns)]
         steps = time_steps(
             scenarios,
+            replays=replays,
             repeats=args.repeats,
             **shape,
             progress=lambda name: print(f"  timing {name}", file=sys.stderr, flush=True),

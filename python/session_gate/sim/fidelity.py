@@ -9,13 +9,19 @@ prefill-token error (%), the error of the makespan ratio to ``none`` (%), and wh
 come out in the same order by makespan. The last line is JSON with the largest errors and
 whether issue 9's targets hold (hit rate within 0.03, prefill tokens within 10%, makespan ratio
 to ``none`` within 15%, same ordering).
+
+``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
+(``session_gate.engine.step_timing.StepLog``: per iteration its prefill and decode requests and
+tokens, KV usage, prefix hits, and the client's time), to explain a makespan gap step by step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 from session_gate.bench.workloads import WORKLOADS
@@ -35,6 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--real-json", help="use this real bench results file instead of running")
     p.add_argument("--real-out", default="sim-fidelity-real.json")
     p.add_argument("--out", default="sim-fidelity.json")
+    p.add_argument(
+        "--step-log",
+        help="when running the real bench, also write vLLM's per-step stats (one row per output "
+        "batch: time, running, waiting, KV usage, prefix hits, tokens) to this JSON file",
+    )
     args = p.parse_args(argv)
     args.mode_list = cli.modes_of(p, args.modes)
     if "none" not in {m.name for m in args.mode_list}:
@@ -51,10 +62,42 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     bench_args = bench.parse_args(
         ["--workload", *args.workload, "--modes", args.modes, "--seed", str(args.seed)]
     )
-    by_workload = asyncio.run(bench.run(bench_args))
+    if args.step_log:
+        with _step_logging(bench) as log:
+            by_workload = asyncio.run(bench.run(bench_args))
+        with open(args.step_log, "w") as f:
+            json.dump(log.rows, f)
+    else:
+        by_workload = asyncio.run(bench.run(bench_args))
     with open(args.real_out, "w") as f:
         json.dump({"seed": args.seed, "workloads": by_workload}, f, indent=2)
     return by_workload
+
+
+@contextlib.contextmanager
+def _step_logging(bench: Any) -> Iterator[Any]:
+    """Runs the real bench with a :class:`StepLog` on its engines and a mark at each mode's
+    start (the bench's own engine factory and mode runner, wrapped, restored after)."""
+    from session_gate.engine import launch
+    from session_gate.engine.step_timing import StepLog
+
+    log = StepLog()
+    make, run_mode = launch.make_async_llm, bench.run_mode
+
+    def make_logged(**kwargs: Any) -> Any:
+        return log.async_llm(**kwargs)
+
+    async def run_mode_marked(llm: Any, workload: Any, mode: Any, *rest: Any) -> Any:
+        log.mark(f"{workload.name}/{mode.name}")
+        result = await run_mode(llm, workload, mode, *rest)
+        log.mark(f"{workload.name}/{mode.name}/end")
+        return result
+
+    launch.make_async_llm, bench.run_mode = make_logged, run_mode_marked
+    try:
+        yield log
+    finally:
+        launch.make_async_llm, bench.run_mode = make, run_mode
 
 
 def compare(real: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str, Any]:

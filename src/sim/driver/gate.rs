@@ -1,14 +1,22 @@
 //! Modes `seed` and `gate`: the real [`GateCore`] driven in virtual time, call for call as the
 //! tokio driver (`crate::gate::driver`) drives it.
 //!
-//! A ready turn `begin`s an attempt and polls it: a usage probe is answered at once from the
-//! replica's `usage()`, a prefix probe from its `probe_prefix()` (what the engine half would
-//! answer for the same pool state; probes take no virtual time). `Wait { until }` parks the
+//! A ready turn `begin`s an attempt and polls it: a usage probe is answered from the replica's
+//! `usage()`, a prefix probe from its `probe_prefix()` (what the engine half would answer for
+//! the same pool state). The real probes are utility calls into vLLM's engine core, which its
+//! busy loop serves between steps: so while the engine is stepping, a probe is answered at the
+//! next step boundary (with the next step already scheduled, as under vLLM's default async
+//! scheduling), and one not answered within `probe_timeout_sec` fails as a timeout, as in the
+//! production drivers; an idle engine answers at once. `Wait { until }` parks the
 //! attempt until `until` or until the core's epoch moves, whichever comes first; after every
 //! call that moved the epoch every parked attempt polls again (the tokio driver's
 //! `notify_waiters`), in attempt order. A finished turn releases its lease
 //! (`retain_session = true`, as the bench's `SessionGate.admit`), and a finished session calls
 //! `finish_session`. Grace windows expire inside the core's own calls, as in production.
+//!
+//! Each session's prefix probes go through its own [`HitMemo`] (the engine probe's identity
+//! re-check, `crate::prefix::residency`, in the twin's terms): blocks a previous probe found are
+//! re-checked by their witness instead of looked up again; the answers are the same.
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};
 
@@ -16,6 +24,7 @@ use super::events::Time;
 use super::mode::{Ctx, Mode, SessionIx};
 use crate::error::{Error, Result};
 use crate::gate::{Action, AttemptId, GateConfig, GateCore, GateStats, LeaseId, ProbeKind};
+use crate::sim::kv_manager::HitMemo;
 
 /// The gate core and the driver state around it.
 #[derive(Debug)]
@@ -25,24 +34,36 @@ pub(crate) struct GateMode {
     attempts: Vec<Option<AttemptId>>,
     /// Per session: its lease while its turn is in flight.
     leases: Vec<Option<LeaseId>>,
+    /// Per session: the hit chain its last prefix probe found.
+    probe_memos: Vec<HitMemo>,
     /// Parked attempts by attempt id: (session, until).
     parked: BTreeMap<u64, (SessionIx, f64)>,
     /// (until, attempt id); an entry is stale once its attempt moved on or got a new `until`.
     timers: BinaryHeap<Reverse<(Time, u64)>>,
     seen_epoch: u64,
+    /// Probes waiting for the next step boundary, by attempt id: (session, kind, asked at).
+    pending: BTreeMap<u64, (SessionIx, ProbeKind, f64)>,
+    /// (timeout deadline, attempt id) of pending probes; stale once the probe was answered.
+    deadlines: BinaryHeap<Reverse<(Time, u64)>>,
+    probe_timeout: f64,
 }
 
 impl GateMode {
     pub(crate) fn new(config: GateConfig, sessions: usize) -> Result<Self> {
+        let probe_timeout = config.probe_timeout_sec;
         let core = GateCore::new(config)?;
         let seen_epoch = core.epoch();
         Ok(Self {
             core,
             attempts: vec![None; sessions],
             leases: vec![None; sessions],
+            probe_memos: vec![HitMemo::default(); sessions],
             parked: BTreeMap::new(),
             timers: BinaryHeap::new(),
             seen_epoch,
+            pending: BTreeMap::new(),
+            deadlines: BinaryHeap::new(),
+            probe_timeout,
         })
     }
 
@@ -51,20 +72,9 @@ impl GateMode {
         let id = self.attempts[s].ok_or_else(|| internal(s, "no attempt to drive"))?;
         let now = ctx.now();
         loop {
-            match self.core.poll(id, now)? {
-                Action::ProbeUsage => {
-                    let report = ctx.replica().usage();
-                    self.core.record_probe(ProbeKind::Usage, 0.0, true);
-                    self.core.on_usage(id, Ok(report), now)?;
-                }
-                Action::ProbePrefix => {
-                    let turn = ctx.turn(s);
-                    let report = ctx
-                        .replica()
-                        .probe_prefix(turn.prompt_hashes, turn.prompt_tokens);
-                    self.core.record_probe(ProbeKind::Prefix, 0.0, true);
-                    self.core.on_prefix(id, Ok(report), now)?;
-                }
+            let kind = match self.core.poll(id, now)? {
+                Action::ProbeUsage => Some(ProbeKind::Usage),
+                Action::ProbePrefix => Some(ProbeKind::Prefix),
                 Action::Wait { until } => {
                     let old = self.parked.insert(id.0, (s, until));
                     // A spurious wake-up answers the same deadline: keep the timer we have.
@@ -82,8 +92,74 @@ impl GateMode {
                 }
                 // One attempt per session at a time: nothing can preempt it.
                 _ => return Err(internal(s, "attempt preempted")),
+            };
+            let kind = kind.expect("a probe");
+            if ctx.engine_busy() {
+                self.parked.remove(&id.0);
+                self.pending.insert(id.0, (s, kind, now));
+                let deadline = now + self.probe_timeout;
+                self.deadlines.push(Reverse((Time(deadline), id.0)));
+                return Ok(());
+            }
+            self.answer(ctx, id, s, kind, 0.0)?;
+        }
+    }
+
+    /// Answers a probe from the replica's state now (`latency` seconds after it was asked).
+    fn answer(
+        &mut self,
+        ctx: &mut Ctx<'_>,
+        id: AttemptId,
+        s: SessionIx,
+        kind: ProbeKind,
+        latency: f64,
+    ) -> Result<()> {
+        let now = ctx.now();
+        self.core.record_probe(kind, latency, true);
+        match kind {
+            ProbeKind::Usage => self.core.on_usage(id, Ok(ctx.replica().usage()), now),
+            _ => {
+                let turn = ctx.turn(s);
+                let report = ctx.replica().probe_prefix_memo(
+                    s as u64,
+                    turn.prompt_hashes,
+                    turn.prompt_tokens,
+                    &mut self.probe_memos[s],
+                );
+                self.core.on_prefix(id, Ok(report), now)
             }
         }
+    }
+
+    /// Whether attempt `id` still waits for the probe whose timeout is `deadline`.
+    fn is_pending(&self, id: u64, deadline: f64) -> bool {
+        self.pending
+            .get(&id)
+            .is_some_and(|&(_, _, asked)| asked + self.probe_timeout == deadline)
+    }
+
+    /// Fails the pending probes whose timeout passed by `now`, as the production drivers do.
+    fn time_out(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
+        let now = ctx.now();
+        while let Some(&Reverse((Time(deadline), id))) = self.deadlines.peek() {
+            if deadline > now {
+                break;
+            }
+            self.deadlines.pop();
+            if !self.is_pending(id, deadline) {
+                continue; // answered in time
+            }
+            let (s, kind, _) = self.pending.remove(&id).expect("pending");
+            let attempt = AttemptId(id);
+            self.core.record_probe(kind, self.probe_timeout, false);
+            let err = "probe timed out".to_string();
+            match kind {
+                ProbeKind::Usage => self.core.on_usage(attempt, Err(err), now)?,
+                _ => self.core.on_prefix(attempt, Err(err), now)?,
+            }
+            self.drive(ctx, s)?;
+        }
+        Ok(())
     }
 
     /// Wakes every parked attempt while the epoch keeps moving (`notify_waiters`).
@@ -135,17 +211,39 @@ impl Mode for GateMode {
         self.settle(ctx)
     }
 
+    fn step_boundary(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let now = ctx.now();
+        // Answered in the order they reached the engine (attempt order); what an answer leads
+        // to (a prefix probe after a usage answer) waits for the next boundary.
+        for (id, (s, kind, asked)) in std::mem::take(&mut self.pending) {
+            self.answer(ctx, AttemptId(id), s, kind, now - asked)?;
+            self.drive(ctx, s)?;
+        }
+        self.settle(ctx)
+    }
+
     fn next_wake(&mut self) -> Option<f64> {
+        while let Some(&Reverse((Time(deadline), id))) = self.deadlines.peek() {
+            if self.is_pending(id, deadline) {
+                break;
+            }
+            self.deadlines.pop();
+        }
+        let probe = self.deadlines.peek().map(|&Reverse((Time(t), _))| t);
         while let Some(&Reverse((Time(until), id))) = self.timers.peek() {
             if self.parked.get(&id).is_some_and(|&(_, t)| t == until) {
-                return Some(until);
+                return Some(probe.map_or(until, |p| p.min(until)));
             }
             self.timers.pop();
         }
-        None
+        probe
     }
 
     fn wake(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
+        self.time_out(ctx)?;
         let now = ctx.now();
         while let Some(&Reverse((Time(until), id))) = self.timers.peek() {
             if until > now {

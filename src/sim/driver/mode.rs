@@ -53,12 +53,20 @@ pub struct Ctx<'a> {
     pub(crate) replica: &'a Replica,
     pub(crate) clients: &'a [Client],
     pub(crate) commands: &'a mut Vec<Command>,
+    pub(crate) engine_busy: bool,
 }
 
 impl<'a> Ctx<'a> {
     /// Virtual seconds since the start of the run.
     pub fn now(&self) -> f64 {
         self.now
+    }
+
+    /// Whether the engine is stepping (a step in flight, or requests running or waiting). vLLM's
+    /// engine core answers a utility call (the gate's probes) between steps, so while it is
+    /// busy a probe waits for the next step boundary; an idle core answers at once.
+    pub fn engine_busy(&self) -> bool {
+        self.engine_busy
     }
 
     /// The replica, read-only: its probes (`usage`, `probe_prefix`) and counters.
@@ -108,6 +116,12 @@ pub trait Mode {
 
     /// Session `s` has ended (its last tool call included).
     fn session_finished(&mut self, _ctx: &mut Ctx<'_>, _s: SessionIx) -> Result<()> {
+        Ok(())
+    }
+
+    /// An engine-step boundary: the step that just ended has been applied and the next one
+    /// (if any) is scheduled — vLLM's busy loop answers queued utility calls (probes) here.
+    fn step_boundary(&mut self, _ctx: &mut Ctx<'_>) -> Result<()> {
         Ok(())
     }
 
