@@ -8,13 +8,13 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
+.PHONY: setup test test-rust test-python test-vllm-next test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
 	bench-clients sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
 
-test: setup lint test-rust test-python test-c
+test: setup lint test-rust test-python test-vllm-next test-c
 
 lint: setup
 	cargo fmt --check
@@ -28,6 +28,17 @@ test-rust:
 
 test-python: setup
 	$(PY) -m pytest -q tests/python
+
+# The checks that need no running engine, against vLLM 0.33.0 (the GPU wheel, overlaid on this
+# venv by scripts/setup.sh): patch ledger, hashing differential, probe fidelity and read-only
+# checks on an in-process KVCacheManager, the twin's block-pool differential.
+VLLM_NEXT_VERSION := 0.33.0
+VLLM_NEXT := $(dir $(VENV))vllm-$(VLLM_NEXT_VERSION)
+INPROCESS_TESTS := tests/python/test_patch_ledger.py tests/python/test_hash_differential.py \
+	tests/python/test_probe_inprocess.py tests/python/test_sim_block_pool.py
+test-vllm-next: setup
+	SESSION_GATE_EXPECT_VLLM=$(VLLM_NEXT_VERSION) PYTHONPATH=$(VLLM_NEXT) \
+		$(PY) -m pytest -q $(INPROCESS_TESTS)
 
 # The C ABI as C and C++ callers see it: include/session_gate.h and session_gate.hpp compiled
 # strictly, linked against the shared library `cargo build` makes, run plain, then again under

