@@ -91,7 +91,7 @@ impl<W> Chain<W> {
     }
 
     /// Block `i`'s tokens (`block_size` of them).
-    #[inline]
+    #[cfg(test)]
     fn block_tokens(&self, i: usize, block_size: usize) -> &[u32] {
         let at = (i % SEGMENT_BLOCKS) * block_size;
         &self.segments[i / SEGMENT_BLOCKS].tokens[at..at + block_size]

@@ -171,9 +171,10 @@ def test_lookahead_hashes_are_answered_exactly(use_eagle):
         # The block boundary token decides the hash: a prompt that ends right after a block,
         # one that changes the first lookahead token, and sessions evicting each other.
         assert_python_matches_vllm(driver, state, prompt[: 4 * BLOCK + 1])
-        # Token 3 * BLOCK opens block 3 and is block 2's lookahead: block 2 no longer hits.
+        # Token 3 * BLOCK opens block 3 and is block 2's lookahead: block 2 no longer hits (and
+        # with the EAGLE drop on, vLLM also drops the last block that does).
         changed = prompt[: 3 * BLOCK] + [(prompt[3 * BLOCK] + 1) % 4096] + prompt[3 * BLOCK + 1 :]
-        assert assert_python_matches_vllm(driver, state, changed) == 2 * BLOCK
+        assert assert_python_matches_vllm(driver, state, changed) == (2 - use_eagle) * BLOCK
         prompts = [random_prompt(rng, rng.randrange(2, 20) * BLOCK + 5) for _ in range(4)]
         for step in range(40):
             p = prompts[step % 4]
