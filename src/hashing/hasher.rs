@@ -51,12 +51,7 @@ impl BlockHasher {
     /// `parent` is the previous block's hash, or `None` for the first block (then `NONE_HASH`
     /// is used). vLLM only hashes full blocks, but any length is accepted here.
     pub fn hash_block(&mut self, parent: Option<&BlockHash>, tokens: &[u32]) -> BlockHash {
-        let parent = parent.unwrap_or(&self.none_hash).as_bytes();
-        let len = if self.algo.uses_cbor() {
-            cbor::encode_block(&mut self.scratch, parent, tokens)
-        } else {
-            pickle::encode_block(&mut self.scratch, parent, tokens)
-        };
+        let len = self.encode(parent, tokens);
         match self.algo {
             HashAlgo::Sha256 | HashAlgo::Sha256Cbor => {
                 BlockHash::from_digest(&sha256::digest_in_place(&mut self.scratch, len))
@@ -65,6 +60,23 @@ impl BlockHasher {
             HashAlgo::Xxhash | HashAlgo::XxhashCbor => {
                 BlockHash::from_digest(&xxh3_128(&self.scratch[..len]).to_be_bytes())
             }
+        }
+    }
+
+    /// The bytes [`BlockHasher::hash_block`] digests for this block: vLLM's serialisation of
+    /// `(parent, tuple(tokens), None)` (for diagnostics and benchmarks).
+    pub fn serialize_block(&mut self, parent: Option<&BlockHash>, tokens: &[u32]) -> &[u8] {
+        let len = self.encode(parent, tokens);
+        &self.scratch[..len]
+    }
+
+    /// Serialises the block into the scratch buffer; returns its length.
+    fn encode(&mut self, parent: Option<&BlockHash>, tokens: &[u32]) -> usize {
+        let parent = parent.unwrap_or(&self.none_hash).as_bytes();
+        if self.algo.uses_cbor() {
+            cbor::encode_block(&mut self.scratch, parent, tokens)
+        } else {
+            pickle::encode_block(&mut self.scratch, parent, tokens)
         }
     }
 

@@ -1,5 +1,4 @@
 //! One session's hash chain and the lazy longest-prefix walk over it.
-use super::fingerprint::{PrefixFp, block_fp};
 use super::{Lookup, Residency, WalkResult, max_hit_blocks};
 use crate::hashing::{BlockHash, BlockHasher};
 
@@ -13,40 +12,41 @@ const SEGMENT_BLOCKS: usize = 64;
 struct Segment<W> {
     /// Digests back to back, `stride` bytes each (all from one algorithm).
     hashes: Vec<u8>,
-    fps: Vec<u128>,
+    /// The blocks' tokens back to back, `block_size` each: a new prompt is compared with them
+    /// exactly (a whole segment is one `memcmp`, cheaper than fingerprinting the prompt).
+    tokens: Vec<u32>,
     /// What the last lookup of each block found, if it was a hit with a witness.
     witnesses: Vec<Option<W>>,
 }
 
 impl<W> Segment<W> {
-    fn new(stride: usize) -> Self {
+    fn new(stride: usize, block_size: usize) -> Self {
         Self {
             hashes: Vec::with_capacity(SEGMENT_BLOCKS * stride),
-            fps: Vec::with_capacity(SEGMENT_BLOCKS),
+            tokens: Vec::with_capacity(SEGMENT_BLOCKS * block_size),
             witnesses: Vec::with_capacity(SEGMENT_BLOCKS),
         }
     }
 
     fn heap_bytes(&self) -> usize {
         self.hashes.capacity()
-            + self.fps.capacity() * size_of::<u128>()
+            + self.tokens.capacity() * size_of::<u32>()
             + self.witnesses.capacity() * size_of::<Option<W>>()
     }
 }
 
 /// The vLLM hashes of the first blocks of one token sequence (the session's last prompt(s)),
-/// with what is needed to tell, cheaply, whether a new prompt starts with the same blocks, and
-/// the witnesses of the last walk's hits.
+/// with the tokens they were computed from (so a new prompt is checked against them exactly),
+/// and the witnesses of the last walk's hits.
 ///
-/// Invariant: block `i`'s fingerprint, vLLM hash and witness are at
-/// `segments[i / SEGMENT_BLOCKS]`, slot `i % SEGMENT_BLOCKS`; `prefix_fp` is the fingerprint of
-/// all `len` blocks' tokens in order; all blocks come from one token sequence. A witness is only
-/// ever stored for the hash in the same slot (it is dropped whenever that hash is).
+/// Invariant: block `i`'s tokens, vLLM hash and witness are at `segments[i / SEGMENT_BLOCKS]`,
+/// slot `i % SEGMENT_BLOCKS`; all blocks come from one token sequence, each `block_size` tokens
+/// (one `ChainCache` configuration: it drops every chain when the block size changes). A witness
+/// is only ever stored for the hash in the same slot (it is dropped whenever that hash is).
 #[derive(Debug)]
 pub(super) struct Chain<W> {
     segments: Vec<Segment<W>>,
     len: usize,
-    prefix_fp: u128,
 }
 
 impl<W> Default for Chain<W> {
@@ -54,7 +54,6 @@ impl<W> Default for Chain<W> {
         Self {
             segments: Vec::new(),
             len: 0,
-            prefix_fp: 0,
         }
     }
 }
@@ -71,16 +70,17 @@ impl<W> Chain<W> {
             + self.segments.iter().map(Segment::heap_bytes).sum::<usize>()
     }
 
-    /// Heap bytes of a chain of `blocks` blocks with `stride`-byte digests, at the least.
-    pub(super) fn heap_bytes_for(blocks: usize, stride: usize) -> usize {
+    /// Heap bytes of a chain of `blocks` blocks of `block_size` tokens with `stride`-byte
+    /// digests, at the least.
+    pub(super) fn heap_bytes_for(blocks: usize, stride: usize, block_size: usize) -> usize {
         let segments = blocks.div_ceil(SEGMENT_BLOCKS);
-        let per_block = stride + size_of::<u128>() + size_of::<Option<W>>();
+        let per_block = stride + block_size * size_of::<u32>() + size_of::<Option<W>>();
         segments * (size_of::<Segment<W>>() + SEGMENT_BLOCKS * per_block)
     }
 
     /// The most blocks a chain fits in `bytes`, in whole segments.
-    pub(super) fn blocks_within(bytes: usize, stride: usize) -> usize {
-        let segment = Self::heap_bytes_for(SEGMENT_BLOCKS, stride);
+    pub(super) fn blocks_within(bytes: usize, stride: usize, block_size: usize) -> usize {
+        let segment = Self::heap_bytes_for(SEGMENT_BLOCKS, stride, block_size);
         bytes / segment * SEGMENT_BLOCKS
     }
 
@@ -90,9 +90,11 @@ impl<W> Chain<W> {
         BlockHash::from_digest(&self.segments[i / SEGMENT_BLOCKS].hashes[at..at + stride])
     }
 
-    #[inline]
-    fn fp(&self, i: usize) -> u128 {
-        self.segments[i / SEGMENT_BLOCKS].fps[i % SEGMENT_BLOCKS]
+    /// Block `i`'s tokens (`block_size` of them).
+    #[cfg(test)]
+    fn block_tokens(&self, i: usize, block_size: usize) -> &[u32] {
+        let at = (i % SEGMENT_BLOCKS) * block_size;
+        &self.segments[i / SEGMENT_BLOCKS].tokens[at..at + block_size]
     }
 
     /// Block `i`'s witness slot.
@@ -128,7 +130,7 @@ impl<W> Chain<W> {
         (0..self.len).map(|i| self.hash(i, stride)).collect()
     }
 
-    fn truncate(&mut self, blocks: usize, stride: usize) {
+    fn truncate(&mut self, blocks: usize, stride: usize, block_size: usize) {
         if blocks >= self.len {
             return;
         }
@@ -136,36 +138,28 @@ impl<W> Chain<W> {
         if let Some(last) = self.segments.last_mut() {
             let keep = blocks - (blocks - 1) / SEGMENT_BLOCKS * SEGMENT_BLOCKS;
             last.hashes.truncate(keep * stride);
-            last.fps.truncate(keep);
+            last.tokens.truncate(keep * block_size);
             last.witnesses.truncate(keep);
         }
         self.len = blocks;
     }
 
-    fn push(&mut self, hash: &BlockHash, fp: u128) {
+    fn push(&mut self, hash: &BlockHash, tokens: &[u32]) {
         let stride = hash.as_bytes().len();
         if self.len.is_multiple_of(SEGMENT_BLOCKS) {
-            self.segments.push(Segment::new(stride));
+            self.segments.push(Segment::new(stride, tokens.len()));
         }
         let last = self.segments.last_mut().expect("a segment with room");
         last.hashes.extend_from_slice(hash.as_bytes());
-        last.fps.push(fp);
+        last.tokens.extend_from_slice(tokens);
         last.witnesses.push(None);
         self.len += 1;
     }
 
     /// Keeps the first `blocks` blocks and returns freed segments to the allocator.
-    /// `tokens` must be the sequence the chain was built from (at least `blocks` blocks).
-    pub(super) fn shrink_to(
-        &mut self,
-        blocks: usize,
-        stride: usize,
-        tokens: &[u32],
-        block_size: usize,
-    ) {
-        self.truncate(blocks, stride);
+    pub(super) fn shrink_to(&mut self, blocks: usize, stride: usize, block_size: usize) {
+        self.truncate(blocks, stride, block_size);
         self.segments.shrink_to_fit();
-        self.prefix_fp = PrefixFp::of(&tokens[..self.len * block_size]);
     }
 
     /// Looks block `i`'s stored hash up and keeps what the lookup found as its witness.
@@ -176,22 +170,6 @@ impl<W> Chain<W> {
         };
         *self.witness_mut(i) = witness;
         hit
-    }
-
-    /// Whether block `i` is resident: its witness re-checked if it has one that still holds
-    /// (counted in `rechecked`), else a lookup.
-    fn check<R: Residency<Witness = W>>(
-        &mut self,
-        i: usize,
-        stride: usize,
-        res: &mut R,
-        rechecked: &mut usize,
-    ) -> bool {
-        if res.still_resident(self.witness_run(i, i + 1)) == 1 {
-            *rechecked += 1;
-            return true;
-        }
-        self.look_up(i, stride, res)
     }
 
     /// vLLM's longest-prefix walk over `tokens`, reusing this chain's hashes where the prompt
@@ -210,12 +188,12 @@ impl<W> Chain<W> {
         let stride = hasher.algo().digest_len();
         let lookups = max_hit_blocks(tokens.len(), block_size);
         // The chain is usually cold (other sessions were probed since): start loading its
-        // hashes now, so that happens while the fingerprint below reads the (warm) prompt.
+        // hashes now, so that happens while the comparison below reads the prompt.
         self.prefetch_hashes(lookups.min(self.len));
-        let (mut stream, vouched) = self.shared_prefix(tokens, block_size, lookups);
+        let vouched = self.shared_prefix(tokens, block_size, lookups);
 
-        // Blocks the whole-prefix fingerprint vouched for: re-check the witnesses a segment at
-        // a time; a block whose witness no longer holds is looked up by its stored hash.
+        // Blocks the prompt shares with the chain: re-check the witnesses a segment at a time;
+        // a block whose witness no longer holds is looked up by its stored hash.
         let mut hits = 0;
         let mut rechecked = 0;
         let mut missed = false;
@@ -232,40 +210,24 @@ impl<W> Chain<W> {
                 hits += 1;
             }
         }
-        let mut reused = hits + usize::from(missed);
+        let reused = hits + usize::from(missed);
         let mut hashed = 0;
 
-        // The rest: reuse a stored block only if its own fingerprint matches, else hash it.
-        // Block i's parent is always the chain's block i - 1, reused or just pushed.
-        let mut changed = false;
+        // The rest is not the chain's (the shared prefix ends here): drop the chain's tail from
+        // here on and hash the prompt's blocks. Block i's parent is the chain's block i - 1.
+        if !missed && hits < lookups {
+            self.truncate(hits, stride, block_size);
+        }
         while !missed && hits < lookups {
             let block = &tokens[hits * block_size..(hits + 1) * block_size];
-            let resident = if hits < self.len && self.fp(hits) == block_fp(block) {
-                reused += 1;
-                self.check(hits, stride, res, &mut rechecked)
-            } else {
-                // The chain's block `hits` (if any) differs, so it is stale from here on.
-                self.truncate(hits, stride);
-                let parent = hits.checked_sub(1).map(|p| self.hash(p, stride));
-                let hash = hasher.hash_block(parent.as_ref(), block);
-                self.push(&hash, block_fp(block));
-                hashed += 1;
-                changed = true;
-                self.look_up(hits, stride, res)
-            };
-            missed = !resident;
-            hits += usize::from(resident);
+            let parent = hits.checked_sub(1).map(|p| self.hash(p, stride));
+            let hash = hasher.hash_block(parent.as_ref(), block);
+            self.push(&hash, block);
+            hashed += 1;
+            missed = !self.look_up(hits, stride, res);
+            hits += usize::from(!missed);
         }
 
-        if changed {
-            // The chain is now exactly this prompt's first `len` blocks.
-            let end = self.len * block_size;
-            if stream.tokens() > end {
-                stream = PrefixFp::new();
-            }
-            stream.update(&tokens[stream.tokens()..end]);
-            self.prefix_fp = stream.digest();
-        }
         WalkResult {
             hit_blocks: hits,
             hit_tokens: hits * block_size,
@@ -276,31 +238,31 @@ impl<W> Chain<W> {
         }
     }
 
-    /// How many leading blocks (at most `lookups`) `tokens` provably shares with the chain
-    /// by the fast check, and the fingerprint stream it read (over `tokens`' own prefix).
-    ///
-    /// The fast check covers the common case, a prompt that repeats or extends the chain's
-    /// sequence: one streaming fingerprint over the chain's whole token span, instead of one
-    /// per block. If it fails (or the prompt is shorter than the chain) it vouches for
-    /// nothing and the walk falls back to per-block fingerprints.
-    fn shared_prefix(
-        &self,
-        tokens: &[u32],
-        block_size: usize,
-        lookups: usize,
-    ) -> (PrefixFp, usize) {
-        let mut stream = PrefixFp::new();
-        let covered = self.len * block_size;
-        if lookups == 0 || self.len == 0 || covered > tokens.len() {
-            return (stream, 0);
+    /// How many leading blocks (at most `lookups`) `tokens` shares with the chain, compared
+    /// exactly: a whole segment at a time (one `memcmp` of up to 4 KB at block 16), and block by
+    /// block only inside the first segment that differs.
+    fn shared_prefix(&self, tokens: &[u32], block_size: usize, lookups: usize) -> usize {
+        let blocks = self.len.min(lookups);
+        let mut shared = 0;
+        for segment in &self.segments {
+            let n = (blocks - shared).min(SEGMENT_BLOCKS);
+            if n == 0 {
+                break;
+            }
+            let stored = &segment.tokens[..n * block_size];
+            let prompt = &tokens[shared * block_size..(shared + n) * block_size];
+            if stored == prompt {
+                shared += n;
+                continue;
+            }
+            shared += stored
+                .chunks_exact(block_size)
+                .zip(prompt.chunks_exact(block_size))
+                .take_while(|(a, b)| a == b)
+                .count();
+            break;
         }
-        stream.update(&tokens[..covered]);
-        let vouched = if stream.digest() == self.prefix_fp {
-            self.len.min(lookups)
-        } else {
-            0
-        };
-        (stream, vouched)
+        shared
     }
 }
 
@@ -359,23 +321,23 @@ mod tests {
             .collect();
         let mut chain = Plain::default();
         for (i, h) in hashes.iter().enumerate() {
-            chain.push(h, i as u128);
+            chain.push(h, &[i as u32; 4]);
         }
         assert_eq!(chain.hashes(16), hashes);
-        assert_eq!(chain.heap_bytes(), Plain::heap_bytes_for(200, 16));
+        assert_eq!(chain.heap_bytes(), Plain::heap_bytes_for(200, 16, 4));
         for keep in [199, 129, 128, 127, 64, 1, 0] {
-            chain.truncate(keep, 16);
+            chain.truncate(keep, 16, 4);
             assert_eq!(chain.hashes(16), hashes[..keep], "keep {keep}");
-            assert!((0..keep).all(|i| chain.fp(i) == i as u128));
+            assert!((0..keep).all(|i| chain.block_tokens(i, 4) == [i as u32; 4]));
         }
-        chain.push(&hashes[5], 5);
+        chain.push(&hashes[5], &[5; 4]);
         assert_eq!(chain.hashes(16), [hashes[5]]);
         assert_eq!(
-            Plain::blocks_within(Plain::heap_bytes_for(130, 32), 32),
+            Plain::blocks_within(Plain::heap_bytes_for(130, 32, 16), 32, 16),
             192
         );
         assert_eq!(
-            Plain::blocks_within(Plain::heap_bytes_for(128, 32), 32),
+            Plain::blocks_within(Plain::heap_bytes_for(128, 32, 16), 32, 16),
             128
         );
     }
@@ -384,29 +346,45 @@ mod tests {
         BlockHasher::new(HashAlgo::Sha256, &[0x42; 32]).unwrap()
     }
 
+    /// Every stored block's tokens, in order.
+    fn stored(chain: &Plain, block_size: usize) -> Vec<u32> {
+        (0..chain.len())
+            .flat_map(|i| chain.block_tokens(i, block_size).to_vec())
+            .collect()
+    }
+
     #[test]
-    fn prefix_fp_tracks_the_chain_after_every_change() {
+    fn stored_tokens_track_the_chain_after_every_change() {
         let mut h = hasher();
         let mut chain = Plain::default();
-        let mut tokens: Vec<u32> = (0..100).collect();
+        // Block 4: 99 blocks looked up, two segments.
+        let mut tokens: Vec<u32> = (0..400).collect();
         chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
-        assert_eq!(chain.len(), 24);
-        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..96]));
+        assert_eq!(chain.len(), 99);
+        assert_eq!(stored(&chain, 4), tokens[..396]);
 
-        tokens.extend(100..140);
+        tokens.extend(400..440);
+        let r = chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
+        assert_eq!((r.blocks_reused, r.blocks_hashed), (99, 10));
+        assert_eq!(stored(&chain, 4), tokens[..436]);
+
+        // A change in block 75 (second segment): blocks 0..75 are reused, the rest re-hashed,
+        // and the stored tokens follow the new prompt.
+        tokens[301] = 9999;
+        let r = chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
+        assert_eq!((r.blocks_reused, r.blocks_hashed), (75, 34));
+        assert_eq!(stored(&chain, 4), tokens[..436]);
+
+        // A shorter prompt that differs in its first block shares nothing.
+        let r = chain.walk(&[5; 9], 4, &mut h, &mut |_: &BlockHash| true);
+        assert_eq!((r.blocks_reused, r.blocks_hashed), (0, 2));
+        assert_eq!(stored(&chain, 4), [5; 8]);
+
         chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
-        assert_eq!(chain.len(), 34);
-        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..136]));
-
-        tokens[10] = 9999;
-        chain.walk(&tokens, 4, &mut h, &mut |_: &BlockHash| true);
-        assert_eq!(chain.len(), 34);
-        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..136]));
-
-        chain.shrink_to(5, 32, &tokens, 4);
+        chain.shrink_to(5, 32, 4);
         assert_eq!(chain.len(), 5);
-        assert_eq!(chain.prefix_fp, PrefixFp::of(&tokens[..20]));
-        assert_eq!(chain.heap_bytes(), Plain::heap_bytes_for(5, 32));
+        assert_eq!(stored(&chain, 4), tokens[..20]);
+        assert_eq!(chain.heap_bytes(), Plain::heap_bytes_for(5, 32, 4));
     }
 
     #[test]

@@ -134,7 +134,7 @@ impl<W> ChainCache<W> {
         let result = entry.chain.walk(tokens, block_size, hasher, res);
         self.bytes = self.bytes - before + entry.chain.heap_bytes();
         if self.bytes > self.budget_bytes {
-            self.enforce_budget(id, tokens, result.blocks_hashed > 0);
+            self.enforce_budget(id, result.blocks_hashed > 0);
         }
         result
     }
@@ -162,7 +162,7 @@ impl<W> ChainCache<W> {
         self.bytes = 0;
     }
 
-    /// Memory held for the cached sessions: hashes, fingerprints, session ids (stored twice:
+    /// Memory held for the cached sessions: hashes, block tokens, witnesses, session ids (stored twice:
     /// map key and LRU index) and per-session map and index entries. Always `<= budget_bytes`.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -207,8 +207,8 @@ impl<W> ChainCache<W> {
     }
 
     /// Evicts other sessions, oldest first; if `current` alone is still too big, keeps only as
-    /// many of its leading blocks as fit (its chain is `tokens`' prefix when it just `grew`).
-    fn enforce_budget(&mut self, current: &str, tokens: &[u32], grew: bool) {
+    /// many of its leading blocks as fit (when it just `grew`).
+    fn enforce_budget(&mut self, current: &str, grew: bool) {
         while self.bytes > self.budget_bytes {
             let oldest = self.lru.first_key_value().map(|(_, id)| id.clone());
             match oldest {
@@ -233,12 +233,10 @@ impl<W> ChainCache<W> {
         let room = self
             .budget_bytes
             .saturating_sub(others + Self::session_bytes(current, &Chain::default()));
-        let blocks = Chain::<W>::blocks_within(room, stride);
+        let blocks = Chain::<W>::blocks_within(room, stride, config.block_size);
         if grew && blocks > 0 && blocks < entry.chain.len() {
             let before = entry.chain.heap_bytes();
-            entry
-                .chain
-                .shrink_to(blocks, stride, tokens, config.block_size);
+            entry.chain.shrink_to(blocks, stride, config.block_size);
             self.bytes = self.bytes - before + entry.chain.heap_bytes();
         }
         if self.bytes > self.budget_bytes {
@@ -297,7 +295,7 @@ mod tests {
     fn a_session_bigger_than_the_budget_keeps_a_prefix() {
         let tokens: Vec<u32> = (0..16 * 100 + 1).collect();
         let one_session = ChainCache::<NoWitness>::session_bytes("s", &Chain::default());
-        let budget = one_session + Chain::<NoWitness>::heap_bytes_for(64, 32) + 100;
+        let budget = one_session + Chain::<NoWitness>::heap_bytes_for(64, 32, 16) + 100;
         let mut cache: ChainCache = ChainCache::new(budget);
         let mut h = hasher();
         let r = cache.walk(Some("s"), &tokens, 16, &mut h, &mut |_: &BlockHash| true);

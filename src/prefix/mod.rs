@@ -14,7 +14,6 @@
 
 mod chain;
 mod chain_cache;
-mod fingerprint;
 mod residency;
 
 pub use chain_cache::ChainCache;

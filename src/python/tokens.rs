@@ -55,11 +55,9 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
             limits.max_model_len
         )));
     }
-    // A branch-free pass first, which the compiler vectorises (a 32K-token prompt in a few µs);
-    // the position is only searched for when there is something to report.
-    let limit = u32::try_from(limits.vocab_size).unwrap_or(u32::MAX);
-    let any_outside = tokens.iter().fold(false, |bad, &t| bad | (t >= limit));
-    if !any_outside {
+    // A branch-free pass first (the largest id, vectorised); the position is only searched for
+    // when there is something to report.
+    if u64::from(max_token(tokens)) < limits.vocab_size {
         return Ok(());
     }
     if let Some((i, &t)) = tokens
@@ -73,6 +71,29 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
         )));
     }
     Ok(())
+}
+
+/// The largest id in `tokens` (0 if empty). With AVX2 (checked at run time; the wheel targets
+/// plain x86-64) eight ids a step: a 32K-token prompt in well under a microsecond, where the
+/// SSE2 build's emulated unsigned compares took a few inside the engine loop.
+fn max_token(tokens: &[u32]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { max_token_avx2(tokens) };
+    }
+    max_token_portable(tokens)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn max_token_avx2(tokens: &[u32]) -> u32 {
+    max_token_portable(tokens)
+}
+
+#[inline(always)]
+fn max_token_portable(tokens: &[u32]) -> u32 {
+    tokens.iter().fold(0, |max, &t| max.max(t))
 }
 
 /// `bytes` as packed little-endian `u32`s, borrowed in place when the buffer is 4-byte aligned on

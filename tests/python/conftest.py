@@ -53,6 +53,20 @@ def pool_snapshot(kv_cache_manager) -> dict:
     }
 
 
+def pytest_configure(config) -> None:
+    """``make test-vllm-next`` names the vLLM it overlays: fail at once if another one is what
+    imports, so those tests can never pass against the wrong version."""
+    expected = os.environ.get("SESSION_GATE_EXPECT_VLLM")
+    if expected:
+        import vllm
+
+        if vllm.__version__ != expected:
+            raise pytest.UsageError(
+                f"SESSION_GATE_EXPECT_VLLM={expected} but vllm {vllm.__version__} imports "
+                f"(from {vllm.__file__}): is the overlay on PYTHONPATH installed?"
+            )
+
+
 @pytest.fixture
 def rng() -> random.Random:
     return random.Random(1234)

@@ -1,4 +1,5 @@
-"""The native block hash equals vLLM's ``hash_block_tokens`` for all four vLLM 0.32 algorithms."""
+"""The native block hash equals vLLM's ``hash_block_tokens`` for all four algorithms, on the
+installed vLLM (0.32.0; 0.33.0 under ``make test-vllm-next``; 0.31.0 under ``make test-compat``)."""
 
 from __future__ import annotations
 

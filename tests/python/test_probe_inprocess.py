@@ -146,20 +146,47 @@ def test_usage_is_o1_unless_the_cached_free_count_is_asked_for(cache):
         state.usage_answer("yes")
 
 
-def test_lookahead_hashes_make_the_probe_unavailable_not_wrong():
-    """vLLM 0.33+ with EAGLE block drop hashes each block with the next tokens: the probe cannot
-    compute those hashes, so it must say so (never answer a wrong ratio)."""
+@pytest.mark.parametrize("use_eagle", [False, True])
+def test_lookahead_hashes_are_answered_exactly(use_eagle):
+    """vLLM 0.33+ with EAGLE hashes each block with the next tokens (the scheduler then turns the
+    last-block drop off; both settings are checked): the probe answers through vLLM's own request
+    block hasher, and every answer equals vLLM's num_cached_tokens, through growth, divergence
+    and evictions."""
     import inspect
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     if "num_hash_lookahead_tokens" not in inspect.signature(KVCacheManager).parameters:
         pytest.skip("this vLLM has no lookahead block hashes (added in 0.33)")
-    kvm = make_kv_cache_manager(64, BLOCK, use_eagle=True, num_hash_lookahead_tokens=1)
-    driver, state = SchedulerDriver(kvm), engine_state(kvm, vocab_size=4096)
-    prompt = random_prompt(random.Random(10), 8 * BLOCK + 3)
-    driver.run(prompt)
-    assert driver.run(prompt) > 0, "vLLM itself hits with lookahead hashes"
-    answer = state.probe_answer("s", prompt)
-    assert answer["available"] is False
-    assert "num_hash_lookahead_tokens" in answer["reason"]
+    for lookahead in (1, 3):
+        kvm = make_kv_cache_manager(
+            64, BLOCK, use_eagle=use_eagle, num_hash_lookahead_tokens=lookahead
+        )
+        driver, state = SchedulerDriver(kvm), engine_state(kvm, vocab_size=4096)
+        assert state.path == "python", state.unavailable
+        rng = random.Random(10 + lookahead)
+        prompt = random_prompt(rng, 8 * BLOCK + 3)
+        assert assert_python_matches_vllm(driver, state, prompt) == 0
+        assert assert_python_matches_vllm(driver, state, prompt) > 0, "vLLM hits with lookahead"
+        # The block boundary token decides the hash: a prompt that ends right after a block,
+        # one that changes the first lookahead token, and sessions evicting each other.
+        assert_python_matches_vllm(driver, state, prompt[: 4 * BLOCK + 1])
+        # Token 3 * BLOCK opens block 3 and is block 2's lookahead: block 2 no longer hits (and
+        # with the EAGLE drop on, vLLM also drops the last block that does).
+        changed = prompt[: 3 * BLOCK] + [(prompt[3 * BLOCK] + 1) % 4096] + prompt[3 * BLOCK + 1 :]
+        assert assert_python_matches_vllm(driver, state, changed) == (2 - use_eagle) * BLOCK
+        prompts = [random_prompt(rng, rng.randrange(2, 20) * BLOCK + 5) for _ in range(4)]
+        for step in range(40):
+            p = prompts[step % 4]
+            p += random_prompt(rng, rng.randrange(1, BLOCK * 2))
+            if len(p) > 40 * BLOCK:
+                p[:] = random_prompt(rng, 3 * BLOCK)
+            assert_python_matches_vllm(driver, state, list(p))
+
+
+def assert_python_matches_vllm(driver, state, tokens) -> int:
+    answer = state.probe_answer("s", tokens)
+    assert answer["available"] and answer["path"] == "python", answer
+    actual = driver.run(tokens)
+    assert answer["hit_tokens"] == actual, f"probe said {answer['hit_tokens']}, vLLM {actual}"
+    return actual

@@ -80,15 +80,20 @@ LEDGER: tuple[Patch, ...] = (
         checks=("vllm.v1.core.kv_cache_utils:init_none_hash",),
     ),
     Patch(
-        symbol="KVCacheCoordinator.find_longest_cache_hit, kv_cache_utils.hash_block_tokens",
-        how="called as-is (read only) on engines the native path cannot answer exactly",
-        why="hybrid models, EAGLE and context parallelism change the hit rule; vLLM's own "
-        "functions are exact by construction",
+        symbol="KVCacheCoordinator.find_longest_cache_hit, kv_cache_utils.hash_block_tokens, "
+        "get_request_block_hasher over an unscheduled Request",
+        how="called as-is (read only) on engines the native path cannot answer exactly; with "
+        "lookahead hashes (BlockPool.num_hash_lookahead_tokens, vLLM 0.33+) the request block "
+        "hasher runs over a Request that is never scheduled",
+        why="hybrid models, EAGLE (and its lookahead hashes) and context parallelism change the "
+        "hash or the hit rule; vLLM's own functions are exact by construction",
         removable_when="never needed on plain full-attention engines",
         checks=(
             "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator.find_longest_cache_hit",
             "vllm.v1.core.kv_cache_coordinator:UnitaryKVCacheCoordinator",
             "vllm.v1.core.kv_cache_utils:hash_block_tokens",
+            "vllm.v1.core.kv_cache_utils:get_request_block_hasher",
+            "vllm.v1.request:Request",
         ),
     ),
     Patch(

@@ -9,15 +9,18 @@ turns Rust panics into ``RuntimeError`` so nothing escapes that net.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
 from typing import Any
 
+from vllm import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.request import Request
 
 logger = logging.getLogger("session_gate")
 
@@ -61,6 +64,8 @@ class EngineState:
         self.hash_algo = str(hash_algo)
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
+        #: Tokens after each block that its hash also covers (vLLM 0.33+, EAGLE), else 0.
+        self.lookahead = int(getattr(self.block_pool, "num_hash_lookahead_tokens", 0) or 0)
         self.unavailable = native_error or self._why_unavailable(kvm, lora_enabled)
         self.path = "unavailable" if self.unavailable else self._choose_path(kvm)
         self.native = None
@@ -80,6 +85,13 @@ class EngineState:
                 block_type=kv_cache_utils.KVCacheBlock,
             )
         self._python_hash_fn = get_hash_fn_by_name(self.hash_algo)
+        self._lookahead_hasher = (
+            kv_cache_utils.get_request_block_hasher(
+                self.block_size, self._python_hash_fn, num_hash_lookahead_tokens=self.lookahead
+            )
+            if self.path == "python" and self.lookahead
+            else None
+        )
         self._native_module = native
 
     @classmethod
@@ -95,18 +107,16 @@ class EngineState:
             native_error=native_error,
         )
 
-    @staticmethod
-    def _why_unavailable(kvm: Any, lora_enabled: bool) -> str | None:
+    def _why_unavailable(self, kvm: Any, lora_enabled: bool) -> str | None:
         if not kvm.enable_caching:
             return "prefix caching is disabled in this engine"
-        lookahead = getattr(kvm.block_pool, "num_hash_lookahead_tokens", 0)
-        if lookahead:
-            # vLLM 0.33+ with EAGLE block drop: each block's hash also covers the next tokens,
-            # which neither the native hasher nor hash_block_tokens(..., None) computes. Answer
-            # nothing rather than a wrong ratio.
+        if self.lookahead and not _hasher_takes_lookahead():
+            # Each block's hash also covers the next tokens, and this vLLM's request block
+            # hasher cannot be asked for such hashes: answer nothing rather than a wrong ratio.
             return (
-                f"block hashes cover num_hash_lookahead_tokens={lookahead} lookahead tokens "
-                "(EAGLE), which the probe does not compute"
+                f"block hashes cover num_hash_lookahead_tokens={self.lookahead} lookahead tokens "
+                "(EAGLE), but kv_cache_utils.get_request_block_hasher takes no "
+                "num_hash_lookahead_tokens"
             )
         if lora_enabled:
             # A LoRA request's blocks hash with its adapter name; a probe of bare token ids
@@ -114,19 +124,19 @@ class EngineState:
             return "LoRA is enabled: block hashes depend on the request's adapter"
         return None
 
-    @staticmethod
-    def _choose_path(kvm: Any) -> str:
+    def _choose_path(self, kvm: Any) -> str:
         coordinator = kvm.coordinator
         exact_natively = (
-            isinstance(coordinator, UnitaryKVCacheCoordinator)
+            not self.lookahead
+            and isinstance(coordinator, UnitaryKVCacheCoordinator)
             and kvm.num_kv_cache_groups == 1
             and coordinator.block_size == kvm.block_pool.hash_block_size
             and not coordinator.eagle_group_ids
             and getattr(coordinator, "dcp_world_size", 1) == 1
             and getattr(coordinator, "pcp_world_size", 1) == 1
         )
-        # Anything else (hybrid models, EAGLE, context parallelism) is answered by vLLM's own
-        # Python functions, which are exact by construction.
+        # Anything else (hybrid models, EAGLE and its lookahead hashes, context parallelism) is
+        # answered by vLLM's own Python functions, which are exact by construction.
         return "native" if exact_natively else "python"
 
     # -- usage ------------------------------------------------------------------------------
@@ -228,14 +238,20 @@ class EngineState:
 
     def _python_hit_tokens(self, tokens: list[int]) -> int:
         """vLLM's own hashing and longest-hit search (read-only), for non-native engines."""
-        size = self.block_size
-        hashes = []
-        parent = None
-        for start in range(0, len(tokens) - size + 1, size):
-            parent = kv_cache_utils.hash_block_tokens(
-                self._python_hash_fn, parent, tokens[start : start + size]
-            )
-            hashes.append(parent)
+        if self._lookahead_hasher is not None:
+            # Lookahead hashes (EAGLE): vLLM's own request block hasher over a request that is
+            # never scheduled, so every extra key is what the scheduler's request would carry.
+            probe = Request("session-gate-probe", tokens, SamplingParams(max_tokens=1), None)
+            hashes = self._lookahead_hasher(probe)
+        else:
+            size = self.block_size
+            hashes = []
+            parent = None
+            for start in range(0, len(tokens) - size + 1, size):
+                parent = kv_cache_utils.hash_block_tokens(
+                    self._python_hash_fn, parent, tokens[start : start + size]
+                )
+                hashes.append(parent)
         # Same cap as KVCacheManager.get_computed_blocks: the last token is always recomputed.
         _, hit_tokens, *_ = self.kv_cache_manager.coordinator.find_longest_cache_hit(
             hashes, len(tokens) - 1
@@ -262,6 +278,12 @@ class EngineState:
         answer = self.probe(session_id, token_ids)
         answer.update(self.usage())
         return _timed(answer, started)
+
+
+def _hasher_takes_lookahead() -> bool:
+    """Whether this vLLM's request block hasher computes lookahead hashes (0.33+)."""
+    parameters = inspect.signature(kv_cache_utils.get_request_block_hasher).parameters
+    return "num_hash_lookahead_tokens" in parameters
 
 
 def _state(core: EngineCore) -> EngineState:
