@@ -18,13 +18,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, StatusCode};
+use hyper::StatusCode;
 use serde_json::{Value, json};
 
 use super::Proxy;
 use super::replicas::Replica;
-use super::upstream::{Client, percent_encode};
+use super::upstream::{Client, percent_encode, post_for_json};
 use crate::gate::Lease;
 
 const PREFIX: &str = "/session_gate/v1";
@@ -139,29 +138,16 @@ impl Target {
         content_type: &str,
         body: Bytes,
     ) -> Result<(StatusCode, Value), String> {
-        let uri = format!("{}{PREFIX}/{path_and_query}", self.base);
-        let request = Request::builder()
-            .method(Method::POST)
-            .uri(&uri)
-            .header(hyper::header::HOST, &self.authority)
-            .header(hyper::header::CONTENT_TYPE, content_type)
-            .body(Full::new(body))
-            .map_err(|e| format!("{uri}: {e}"))?;
-        let response = self
-            .client
-            .request(request)
-            .await
-            .map_err(|e| format!("{uri}: {e}"))?;
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| format!("{uri}: {e}"))?
-            .to_bytes();
-        let value = serde_json::from_slice(&bytes)
-            .map_err(|e| format!("{uri} answered {status} with non-JSON ({e})"))?;
-        Ok((status, value))
+        let path = format!("{PREFIX}/{path_and_query}");
+        post_for_json(
+            &self.client,
+            &self.base,
+            &self.authority,
+            &path,
+            content_type,
+            body,
+        )
+        .await
     }
 
     async fn post_json(&self, route: &str, body: &Value) -> Result<Value, String> {
