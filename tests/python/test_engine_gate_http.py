@@ -317,14 +317,17 @@ async def test_the_engine_keeps_serving_after_bad_input(url):
 # -- a lease ends with its answer, even when the client leaves mid-stream ------------------------
 
 
-async def leaves_mid_stream(url: str, headers: dict[str, str], prompt: list[int]) -> float:
-    """Streams a long completion, reads its first chunk, then closes the connection while vLLM
-    is still generating; returns how long the engine gate took to see the lease released."""
+async def leaves_mid_stream(
+    url: str, via: str, headers: dict[str, str], prompt: list[int]
+) -> float:
+    """Streams a long completion from ``via``, reads its first chunk, then closes the connection
+    while vLLM is still generating; returns how long the engine gate of ``url`` took to see the
+    lease released."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2500, "ignore_eos": True,
             "stream": True}  # fmt: skip
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream(
-            "POST", f"{url}/v1/completions", json=body, headers=headers
+            "POST", f"{via}/v1/completions", json=body, headers=headers
         ) as response:
             assert response.status_code == 200, await response.aread()
             async for line in response.aiter_lines():
@@ -348,8 +351,8 @@ async def test_a_client_leaving_mid_stream_releases_its_lease(url, proxy_url):
     )  # fmt: skip
     assert r.status_code == 200
     full_sec = (time.monotonic() - started) * 2500 / 400  # what the whole stream would take
-    via_middleware = await leaves_mid_stream(url, {"x-session-id": "mid-m"}, tokens(3910, 50))
-    via_proxy = await leaves_mid_stream(proxy_url, {"x-session-id": "mid-p"}, tokens(3920, 50))
+    via_middleware = await leaves_mid_stream(url, url, {"x-session-id": "mid-m"}, tokens(3910, 50))
+    via_proxy = await leaves_mid_stream(url, proxy_url, {"x-session-id": "mid-p"}, tokens(3920, 50))
     assert max(via_middleware, via_proxy) < min(2.0, full_sec / 2), (
         via_middleware,
         via_proxy,
