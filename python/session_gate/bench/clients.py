@@ -66,6 +66,8 @@ def _admission(mode: str, url: str) -> Admission:
     if mode == "engine-gate":
         admission = Admission(Mode("none", "none"), None)
         admission.gate = HttpGate(url)
+        # Its counters live in the engine: run_clients reads them once, after every client.
+        admission.stats = dict  # type: ignore[method-assign]
         return admission
     kind = "gate" if mode.startswith("gate") else "none"
     return Admission(Mode(kind, kind), HttpProbe(url))
