@@ -333,7 +333,8 @@ async def leaves_mid_stream(
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break
-            assert stats(url)["leases_active"] == 1
+            held = stats(url)
+            assert held["leases_active"] == 1, (via, held)
             left = time.monotonic()
     await eventually(lambda: stats(url)["leases_active"] == 0, 10.0, "the lease released")
     return time.monotonic() - left
@@ -378,7 +379,7 @@ async def test_the_proxy_gates_at_the_engine_shared_with_every_client(url, proxy
     assert r.usage.completion_tokens == 4
     after = stats(url)
     # Admitted by the engine gate: the proxy holds no gate of its own.
-    assert after["admissions"]["open"] == before["admissions"]["open"] + 1
+    assert after["admissions"]["open"] == before["admissions"]["open"] + 1, (before, after)
     await eventually(lambda: stats(url)["leases_active"] == 0, what="the proxy's lease released")
     async with HttpGate(url) as gate:
         # Another client of the engine fills it: the proxy's cold session waits for it.
