@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
-	bench-clients sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
+	bench-clients bench-engine-gate sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
@@ -111,6 +111,12 @@ bench-proxy: setup
 # The last line is JSON.
 bench-clients: setup
 	$(PY) -m session_gate.bench.clients --clients 4 --workload default
+
+# The engine gate's own costs from one vllm serve run (about a minute): the middleware's added
+# latency (the same short completion with and without x-session-id, gate open) and the engine-loop
+# time of admit + release beside the usage probe's in the same run. The last line is JSON.
+bench-engine-gate: setup
+	$(PY) -m session_gate.bench.clients --modes ""
 
 # The one wheel (plugin, gate, proxy, twin CLI) for this venv's CPython, in dist/: prints its
 # size, tags, entry points and contents.

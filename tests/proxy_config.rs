@@ -97,3 +97,20 @@ fn usage_cache_ms_from_flag_file_and_default() {
     let r = ProxyConfig::from_toml(&args(&["http://a:1"]), "usage_cache_ms = -1");
     assert_eq!(field_of(r), "usage_cache_ms");
 }
+
+#[test]
+fn gate_at_chooses_the_proxys_gate_or_the_engines() {
+    use session_gate::proxy::config::GateAt;
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "").unwrap();
+    assert_eq!(c.gate_at, GateAt::Proxy);
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "gate_at = \"engine\"").unwrap();
+    assert_eq!(c.gate_at, GateAt::Engine);
+    let mut a = args(&["http://a:1"]);
+    a.gate_at = Some("proxy".into());
+    let c = ProxyConfig::from_toml(&a, "gate_at = \"engine\"").unwrap();
+    assert_eq!(c.gate_at, GateAt::Proxy);
+    a.gate_at = Some("replica".into());
+    let e = ProxyConfig::from_toml(&a, "").expect_err("an unknown place is refused");
+    assert_eq!(e.field, "gate_at");
+    assert!(e.message.contains("\"replica\""), "{}", e.message);
+}

@@ -100,6 +100,13 @@ pub struct ProxyArgs {
     /// Largest request body accepted, in bytes [default: 67108864].
     #[arg(long, value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+
+    /// Where sessions are gated: `proxy` (a gate per replica in this process) or `engine` (the
+    /// replica's own engine gate, through its /session_gate/v1/admit routes, shared with every
+    /// other client of that replica; the gate knobs are then the engine's SESSION_GATE_*)
+    /// [default: proxy].
+    #[arg(long, value_name = "WHERE")]
+    pub gate_at: Option<String>,
 }
 
 /// The TOML file: the same settings as the flags (`deny_unknown_fields`, so typos are named).
@@ -122,6 +129,7 @@ struct FileConfig {
     retain_session: Option<bool>,
     max_session_labels: Option<usize>,
     max_body_bytes: Option<usize>,
+    gate_at: Option<String>,
 }
 
 /// A configuration error; the message names the field.
@@ -182,6 +190,31 @@ pub struct ProxyConfig {
     pub max_session_labels: usize,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Where sessions are gated.
+    pub gate_at: GateAt,
+}
+
+/// Where `session-gate proxy` gates sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GateAt {
+    /// One gate per replica inside the proxy process.
+    #[default]
+    Proxy,
+    /// The replica's engine gate (`/session_gate/v1/admit`), shared by all its clients.
+    Engine,
+}
+
+impl GateAt {
+    fn from_name(name: &str) -> Result<Self, ConfigError> {
+        match name {
+            "proxy" => Ok(Self::Proxy),
+            "engine" => Ok(Self::Engine),
+            _ => Err(err(
+                "gate_at",
+                format!("{name:?} is not a place to gate: expected \"proxy\" or \"engine\""),
+            )),
+        }
+    }
 }
 
 /// Parses `http://host[:port][/]` (plain HTTP only: replicas sit on a trusted network).
@@ -368,6 +401,10 @@ impl ProxyConfig {
             retain_session: args.retain_session.or(file.retain_session).unwrap_or(true),
             max_session_labels,
             max_body_bytes,
+            gate_at: match args.gate_at.clone().or(file.gate_at) {
+                Some(name) => GateAt::from_name(&name)?,
+                None => GateAt::Proxy,
+            },
         })
     }
 }

@@ -19,11 +19,12 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 
 use super::Proxy;
+use super::config::GateAt;
+use super::engine_gate::{self, AdmitError, Held};
 use super::metrics::Outcome;
 use super::replicas::{Replica, Route};
 use super::upstream::is_hop_header;
 use crate::error::Error;
-use crate::gate::Lease;
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
 const CHAT_TOKENIZE_KEYS: [&str; 8] = [
@@ -97,7 +98,13 @@ pub async fn finish(State(proxy): State<Arc<Proxy>>, Path(session): Path<String>
     };
     let replica = &proxy.replicas.list[index];
     replica.probe.released();
-    let ended = replica.gate.finish_session(&session).await;
+    let ended = match proxy.config.gate_at {
+        GateAt::Proxy => replica.gate.finish_session(&session).await,
+        GateAt::Engine => match engine_gate::finish(&proxy, replica, &session).await {
+            Ok(ended) => ended,
+            Err(e) => return error(StatusCode::BAD_GATEWAY, "BadGatewayError", e),
+        },
+    };
     axum::Json(json!({
         "session_id": session,
         "finished": ended,
@@ -206,18 +213,39 @@ async fn handle(
             return response;
         }
     };
-    let lease = match replica
-        .gate
-        .acquire(
-            &session,
-            &prompt_ids,
-            max_tokens,
-            proxy.config.retain_session,
-        )
-        .await
-    {
+    let acquired = match proxy.config.gate_at {
+        GateAt::Proxy => replica
+            .gate
+            .acquire(
+                &session,
+                &prompt_ids,
+                max_tokens,
+                proxy.config.retain_session,
+            )
+            .await
+            .map(Held::Local)
+            .map_err(|e| match e {
+                Error::Preempted { .. } => AdmitError::Preempted { num_preempted: 0 },
+                e => AdmitError::Failed {
+                    status: StatusCode::INTERNAL_SERVER_ERROR,
+                    message: e.to_string(),
+                },
+            }),
+        GateAt::Engine => {
+            engine_gate::acquire(
+                &proxy,
+                &replica,
+                &session,
+                &prompt_ids,
+                max_tokens,
+                proxy.config.retain_session,
+            )
+            .await
+        }
+    };
+    let lease = match acquired {
         Ok(lease) => lease,
-        Err(Error::Preempted { .. }) => {
+        Err(AdmitError::Preempted { .. }) => {
             proxy.metrics.preempted(&session);
             proxy.metrics.request(
                 &replica.url.base,
@@ -241,12 +269,13 @@ async fn handle(
                 .insert("x-should-retry", HeaderValue::from_static("false"));
             return response;
         }
-        Err(e) => {
-            return error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "InternalServerError",
-                e.to_string(),
-            );
+        Err(AdmitError::Failed { status, message }) => {
+            let kind_name = if status == StatusCode::BAD_REQUEST {
+                "BadRequestError"
+            } else {
+                "InternalServerError"
+            };
+            return error(status, kind_name, message);
         }
     };
     forward(
@@ -397,7 +426,7 @@ async fn forward(
     method: Method,
     headers: &HeaderMap,
     body: Bytes,
-    lease: Option<Lease>,
+    lease: Option<Held>,
     route: Route,
     started: Instant,
 ) -> Response {
@@ -458,7 +487,7 @@ struct Guard {
     status: u16,
     turn: u64,
     started: Instant,
-    lease: Option<Lease>,
+    lease: Option<Held>,
     done: bool,
 }
 

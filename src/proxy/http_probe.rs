@@ -7,11 +7,10 @@
 use std::sync::Mutex;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, StatusCode};
+use hyper::StatusCode;
 use serde_json::Value;
 
-use super::upstream::{Client, percent_encode};
+use super::upstream::{Client, percent_encode, post_for_json};
 use crate::error::{Error, Result};
 use crate::gate::{PrefixReport, Probe, ProbeFuture, UsageReport};
 
@@ -64,34 +63,25 @@ impl HttpProbe {
     }
 
     async fn post(&self, path_and_query: &str, content_type: &str, body: Bytes) -> Result<Value> {
-        let uri = format!("{}{}", self.base, path_and_query);
-        let request = Request::builder()
-            .method(Method::POST)
-            .uri(&uri)
-            .header(hyper::header::HOST, &self.authority)
-            .header(hyper::header::CONTENT_TYPE, content_type)
-            .body(Full::new(body))
-            .map_err(|e| unavailable(format!("{uri}: {e}")))?;
-        let response = self
-            .client
-            .request(request)
-            .await
-            .map_err(|e| unavailable(format!("{uri}: {e}")))?;
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| unavailable(format!("{uri}: {e}")))?
-            .to_bytes();
-        let value: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| unavailable(format!("{uri} answered {status} with non-JSON ({e})")))?;
+        let (status, value) = post_for_json(
+            &self.client,
+            &self.base,
+            &self.authority,
+            path_and_query,
+            content_type,
+            body,
+        )
+        .await
+        .map_err(unavailable)?;
         if status != StatusCode::OK {
             let message = value
                 .pointer("/error/message")
                 .and_then(Value::as_str)
                 .unwrap_or("no message");
-            return Err(unavailable(format!("{uri} answered {status}: {message}")));
+            return Err(unavailable(format!(
+                "{}{path_and_query} answered {status}: {message}",
+                self.base
+            )));
         }
         Ok(value)
     }

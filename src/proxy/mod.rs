@@ -15,6 +15,7 @@
 //!   by the replica's own `/tokenize`. Usage answers are cached for `usage_cache_ms` and
 //!   shared between concurrent requests ([`usage_cache`]).
 pub mod config;
+pub mod engine_gate;
 pub mod forward;
 pub mod http_probe;
 pub mod metrics;
@@ -47,6 +48,8 @@ pub struct Proxy {
     pub replicas: Arc<Replicas>,
     /// The proxy's own metrics.
     pub metrics: ProxyMetrics,
+    /// This proxy's client id towards the replicas' engine gates (`--gate-at engine`).
+    pub engine_client: engine_gate::EngineClient,
 }
 
 impl Proxy {
@@ -60,6 +63,7 @@ impl Proxy {
             client,
             replicas,
             metrics,
+            engine_client: engine_gate::EngineClient::default(),
         }))
     }
 
@@ -112,9 +116,14 @@ pub async fn serve(
             .join(", ")
     );
     let health = proxy.spawn_health_checks();
+    let heartbeat = (proxy.config.gate_at == config::GateAt::Engine)
+        .then(|| tokio::spawn(engine_gate::heartbeat(proxy.clone())));
     let result = axum::serve(listener, proxy.router())
         .with_graceful_shutdown(shutdown)
         .await;
     health.abort();
+    if let Some(h) = heartbeat {
+        h.abort();
+    }
     result
 }

@@ -3,9 +3,11 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
+use hyper::{Method, Request, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
 
 /// The pooled client to every replica.
 pub type Client = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
@@ -19,6 +21,40 @@ pub fn client() -> Client {
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(256)
         .build(connector)
+}
+
+/// POSTs `body` to `{base}{path_and_query}` (`authority` as the Host) and reads the answer as
+/// JSON, whatever its status; errors name the URI.
+pub async fn post_for_json(
+    client: &Client,
+    base: &str,
+    authority: &str,
+    path_and_query: &str,
+    content_type: &str,
+    body: Bytes,
+) -> Result<(StatusCode, Value), String> {
+    let uri = format!("{base}{path_and_query}");
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri(&uri)
+        .header(hyper::header::HOST, authority)
+        .header(hyper::header::CONTENT_TYPE, content_type)
+        .body(Full::new(body))
+        .map_err(|e| format!("{uri}: {e}"))?;
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| format!("{uri}: {e}"))?;
+    let status = response.status();
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("{uri}: {e}"))?
+        .to_bytes();
+    let value = serde_json::from_slice(&bytes)
+        .map_err(|e| format!("{uri} answered {status} with non-JSON ({e})"))?;
+    Ok((status, value))
 }
 
 /// Percent-encodes everything but RFC 3986 unreserved characters (for query values).

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, environ, word_ids
+from conftest import SERVE_TIMEOUT, environ, proxy_binary, word_ids
 from session_gate import HttpGate
-from session_gate.engine.serve import start_vllm, stop
+from session_gate.engine.serve import start_proxy, start_vllm, stop
 
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32
@@ -58,6 +58,18 @@ def url():
             extra_args=extra,
             timeout=SERVE_TIMEOUT,
         )
+    try:
+        yield base
+    finally:
+        stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def proxy_url(url):
+    """``session-gate proxy --gate-at engine`` in front of the server: no gate of its own."""
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-engine-proxy-"))
+    proc, base = start_proxy(proxy_binary(), url, workdir, ["--gate-at", "engine"])
     try:
         yield base
     finally:
@@ -300,3 +312,110 @@ async def test_the_engine_keeps_serving_after_bad_input(url):
     assert stats(url)["engine_gate"]["tick_errors"] == 0
     async with HttpGate(url) as gate:
         assert await gate.finish_session("after-bad")
+
+
+# -- a lease ends with its answer, even when the client leaves mid-stream ------------------------
+
+
+async def leaves_mid_stream(
+    url: str, via: str, headers: dict[str, str], prompt: list[int]
+) -> float:
+    """Streams a long completion from ``via``, reads its first chunk, then closes the connection
+    while vLLM is still generating; returns how long the engine gate of ``url`` took to see the
+    lease released."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream(
+            "POST", f"{via}/v1/completions", json=body, headers=headers
+        ) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    break
+            held = stats(url)
+            assert held["leases_active"] == 1, (via, held)
+            left = time.monotonic()
+    await eventually(lambda: stats(url)["leases_active"] == 0, 10.0, "the lease released")
+    return time.monotonic() - left
+
+
+async def test_a_client_leaving_mid_stream_releases_its_lease(url, proxy_url):
+    """Through the middleware and through ``--gate-at engine``: 2,500 tokens take this tiny
+    model several seconds, so a release within ~1 s can only be the disconnect's."""
+    started = time.monotonic()
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": tokens(3900, 50), "max_tokens": 400,
+              "ignore_eos": True},
+        timeout=60,
+    )  # fmt: skip
+    assert r.status_code == 200
+    full_sec = (time.monotonic() - started) * 2500 / 400  # what the whole stream would take
+    async with HttpGate(url) as gate:
+        via_middleware = await leaves_mid_stream(
+            url, url, {"x-session-id": "mid-m"}, tokens(3910, 50)
+        )
+        # Its 80-block window would hold the next one back: end it.
+        assert await gate.finish_session("mid-m")
+        via_proxy = await leaves_mid_stream(
+            url, proxy_url, {"x-session-id": "mid-p"}, tokens(3920, 50)
+        )
+        assert await gate.finish_session("mid-p")
+    assert max(via_middleware, via_proxy) < min(2.0, full_sec / 2), (
+        via_middleware,
+        via_proxy,
+        full_sec,
+    )
+
+
+# -- session-gate proxy --gate-at engine --------------------------------------------------------
+
+
+async def test_the_proxy_gates_at_the_engine_shared_with_every_client(url, proxy_url):
+    import openai
+
+    def session(sid: str, **kwargs):
+        return openai_client(f"{proxy_url}/sess/{sid}/v1", **kwargs)
+
+    before = stats(url)
+    r = await session("px-a").completions.create(
+        model="tiny", prompt=tokens(3300, 200), max_tokens=4
+    )
+    assert r.usage.completion_tokens == 4
+    after = stats(url)
+    # Admitted by the engine gate: the proxy holds no gate of its own.
+    assert after["admissions"]["open"] == before["admissions"]["open"] + 1, (before, after)
+    await eventually(lambda: stats(url)["leases_active"] == 0, what="the proxy's lease released")
+    async with HttpGate(url) as gate:
+        # Another client of the engine fills it: the proxy's cold session waits for it.
+        hog = await gate.acquire("hog-px", tokens(500, 3136), 64)  # 100 blocks
+        first = asyncio.ensure_future(
+            session("px-c").completions.create(model="tiny", prompt=tokens(3600, 400), max_tokens=4)
+        )
+        await asyncio.sleep(1.0)
+        assert not first.done() and stats(url)["pending"] == 1
+        # A retry through the proxy preempts the waiting one: 409, never sent to vLLM.
+        second = asyncio.ensure_future(
+            session("px-c").completions.create(model="tiny", prompt=tokens(3600, 410), max_tokens=4)
+        )
+        with pytest.raises(openai.ConflictError) as err:
+            await first
+        assert "a newer request" in str(err.value)
+        # A client that gives up while its turn waits: the attempt is cancelled in the engine.
+        with pytest.raises(openai.APITimeoutError):
+            await session("px-d", timeout=1.0).completions.create(
+                model="tiny", prompt=tokens(3700, 400), max_tokens=4
+            )
+        await eventually(lambda: stats(url)["pending"] == 1, what="px-d's attempt cancelled")
+        await hog.arelease()
+        assert await gate.finish_session("hog-px")
+        r = await asyncio.wait_for(second, 30)
+        assert r.usage.completion_tokens == 4
+        await eventually(lambda: stats(url)["leases_active"] == 0, what="leases released")
+        # /sess/{id}/finish on the proxy ends the window in the engine gate.
+        for sid in ("px-a", "px-c"):
+            r = httpx.post(f"{proxy_url}/sess/{sid}/finish", timeout=30)
+            assert r.status_code == 200 and r.json()["finished"] is True, r.text
+        assert not await gate.finish_session("px-a")
+    assert stats(url)["engine_gate"]["tick_errors"] == 0

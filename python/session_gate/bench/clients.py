@@ -66,6 +66,8 @@ def _admission(mode: str, url: str) -> Admission:
     if mode == "engine-gate":
         admission = Admission(Mode("none", "none"), None)
         admission.gate = HttpGate(url)
+        # Its counters live in the engine: run_clients reads them once, after every client.
+        admission.stats = dict  # type: ignore[method-assign]
         return admission
     kind = "gate" if mode.startswith("gate") else "none"
     return Admission(Mode(kind, kind), HttpProbe(url))
@@ -162,25 +164,30 @@ async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
 
 async def _engine_loop_cost(url: str, n: int) -> dict[str, float]:
     """Engine-loop microseconds of admit (answered at once, ``engine_us``) and release, read
-    from the engine's own timings: a 32-token prompt, gate open."""
-    from session_gate import HttpGate
+    from the engine's own timings (a 32-token prompt, gate open), beside the same run's
+    baseline: the O(1) usage probe, the cheapest utility call that reads the block pool."""
+    from session_gate import HttpGate, HttpProbe
 
-    admit_us = []
-    async with HttpGate(url) as gate:
+    admit_us, usage_us = [], []
+    async with HttpGate(url) as gate, HttpProbe(url) as probe:
         before = (await gate.stats())["engine_gate"]
         for i in range(n):
             lease = await gate.acquire(f"loop-{i}", list(range(10, 42)), 1, retain_session=False)
             admit_us.append(lease.engine_us)
             await lease.arelease()
+            usage_us.append((await probe.usage())["engine_us"])
         after = (await gate.stats())["engine_gate"]
     q = statistics.quantiles(admit_us, n=100, method="inclusive")
     released = after["release_loop_calls"] - before["release_loop_calls"]
     release_us = (after["release_loop_us_total"] - before["release_loop_us_total"]) / released
+    usage_p50 = statistics.median(usage_us)
     return {
         "admit_engine_us_p50": q[49],
         "admit_engine_us_p99": q[98],
         "release_engine_us_mean": release_us,
         "admit_plus_release_us": q[49] + release_us,
+        "usage_probe_engine_us_p50": usage_p50,
+        "admit_plus_release_over_usage_probe": (q[49] + release_us) / max(usage_p50, 1e-9),
     }
 
 

@@ -175,6 +175,10 @@ class EngineGateDriver:
         self._loop_us: dict[str, list[float]] = {"admit": [0, 0.0], "release": [0, 0.0]}
         #: Set by the timer thread; the engine thread ticks when it sees it.
         self.due = False
+        #: The earliest deadline the timer holds, as this thread last armed it. A call arms the
+        #: timer only for a deadline earlier than that (no lock, no scan of the clients); a
+        #: tick, which runs whenever the timer fired, re-arms it for the exact earliest one.
+        self._armed = math.inf
         self._timer = _Timer(self._wake_engine)
         self._timer.start()
 
@@ -301,6 +305,7 @@ class EngineGateDriver:
         """Runs due deadlines: waiters whose ``Wait.until`` passed, dead clients, grace ends.
         Never raises: it runs inside vLLM's busy loop."""
         self.due = False
+        self._armed = math.inf  # the timer fired: it holds nothing now
         try:
             now = self._begin_pass()
             self.counters["ticks"] += 1
@@ -309,6 +314,7 @@ class EngineGateDriver:
             for a in [a for a in self._waiting.values() if a.until <= now]:
                 self._drive(a, now)
             self._settle(now)
+            self._schedule()
         except Exception:  # noqa: BLE001 - never take the engine down
             self.counters["tick_errors"] += 1
             logger.exception("session_gate: engine gate tick failed")
@@ -324,7 +330,13 @@ class EngineGateDriver:
         if queue is not None:
             queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
-    def _schedule(self, now: float) -> None:
+    def _arm(self, at: float) -> None:
+        if at < self._armed:
+            self._armed = at
+            self._timer.arm(at)
+
+    def _schedule(self) -> None:
+        """Arms the timer for the earliest deadline (a scan: only at ticks)."""
         at = math.inf
         for a in self._waiting.values():
             at = min(at, a.until)
@@ -333,7 +345,7 @@ class EngineGateDriver:
             oldest = min(c.last_seen for c in self._clients.values())
             at = min(at, oldest + self.lease_ttl_sec)
         if not math.isinf(at):
-            self._timer.arm(at)
+            self._arm(at)
 
     # -- driving the core -------------------------------------------------------------------
 
@@ -371,6 +383,7 @@ class EngineGateDriver:
             elif kind is self._wait_cls:
                 a.until = action.until
                 self._waiting[a.ticket] = a
+                self._arm(a.until)
                 return None
             elif kind is self._admit_cls:
                 return self._finish(a, self._admitted(a, action))
@@ -437,14 +450,13 @@ class EngineGateDriver:
 
     def _settle(self, now: float) -> None:
         """Wakes every waiter while the epoch moves (the core answers a spurious wake-up with
-        the same ``Wait``, without a probe), then re-arms the timer."""
+        the same ``Wait``, without a probe; a new deadline arms the timer in ``_drive``)."""
         while self._core.epoch != self._epoch:
             self._epoch = self._core.epoch
             for a in list(self._waiting.values()):
                 if a.ticket in self._waiting:
                     del self._waiting[a.ticket]
                     self._drive(a, now)
-        self._schedule(now)
 
     # -- releases, cancels, dead clients ----------------------------------------------------
 
@@ -452,6 +464,9 @@ class EngineGateDriver:
         client = self._clients.get(client_id)
         if client is None:
             client = self._clients[client_id] = _Client(now)
+            # Its silence is checked one TTL from now (a known client's deadline only moves
+            # later while it calls, so the armed one is early enough).
+            self._arm(now + self.lease_ttl_sec)
         else:
             client.last_seen = now
         return client

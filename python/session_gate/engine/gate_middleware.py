@@ -27,9 +27,9 @@ renewed by a heartbeat, so if the process dies the engine frees them after ``lea
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-import uuid
 from typing import Any
 
 from starlette.requests import Request
@@ -51,6 +51,7 @@ class SessionGateMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.client_id = new_client_id("serve")
+        self._tickets = itertools.count()
         self._heartbeat: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
 
@@ -78,7 +79,7 @@ class SessionGateMiddleware:
         except _Ungateable:
             return await self.app(scope, replay, send)
         self._beat(routes)
-        ticket = f"{self.client_id}:{uuid.uuid4().hex[:16]}"
+        ticket = f"{self.client_id}:{next(self._tickets)}"
         try:
             answer = await long_poll_admit(
                 routes, receive, session_id, packed, max_tokens, True, self.client_id, ticket

@@ -45,6 +45,8 @@ from session_gate.engine.http_routes import (
 DEFAULT_MAX_TOKENS = 512
 #: How often a waiting long-poll renews its client before the engine told it the TTL.
 _FIRST_RENEW_SEC = 1.0
+#: An admit not answered within this long gets a disconnect watcher (see ``long_poll_admit``).
+_WATCH_AFTER_SEC = 0.05
 
 _STATUS_CODES = {"admitted": 200, "preempted": 409, "cancelled": 410, "expired": 410}
 
@@ -109,8 +111,15 @@ async def long_poll_admit(
             client_id,
         )
     )
-    gone = asyncio.ensure_future(_disconnected(receive))
+    gone: asyncio.Future[None] | None = None
     try:
+        # Most admits are answered at once: no disconnect watcher for them (a task and a
+        # receive() per request). A client that leaves meanwhile is seen when the watcher
+        # starts, _WATCH_AFTER_SEC later.
+        done, _ = await asyncio.wait({call}, timeout=_WATCH_AFTER_SEC)
+        if done:
+            return call.result()
+        gone = asyncio.ensure_future(_disconnected(receive))
         while True:
             renew_every = routes.lease_ttl_sec / 3 if routes.lease_ttl_sec else _FIRST_RENEW_SEC
             done, _ = await asyncio.wait(
@@ -130,7 +139,8 @@ async def long_poll_admit(
         asyncio.ensure_future(routes.call("session_gate_cancel", ticket, client_id))
         raise
     finally:
-        gone.cancel()
+        if gone is not None:
+            gone.cancel()
 
 
 async def admit(request: Request) -> Response:

@@ -1,0 +1,309 @@
+//! `session-gate proxy --gate-at engine`: the proxy delegates admission to each replica's
+//! engine gate (the gate core inside vLLM's engine core, reached through the endpoint plugin's
+//! `/session_gate/v1/{admit,release,cancel,finish,renew}` routes) instead of holding a gate of
+//! its own. Every client of the replica — other proxies, `HttpGate`s, the `--middleware` —
+//! then shares one gate, so several proxies in front of one replica never commit past the line
+//! together.
+//!
+//! - An admit is the route's long-poll. The proxy's client going away drops the handler, which
+//!   drops [`Pending`]: the long-poll's connection closes (the route cancels the attempt) and a
+//!   `cancel` of the ticket is sent as well, which also releases a lease won in the race.
+//! - Every admit and release names this proxy's client id; a heartbeat ([`heartbeat`]) renews it
+//!   on every replica every third of the engine's lease TTL. If the proxy dies, the engines free
+//!   its leases one TTL after its last call (`SESSION_GATE_LEASE_TTL_SEC`, 30 s by default).
+//! - The gate knobs are the engine's (`SESSION_GATE_*` in `vllm serve`'s environment); the
+//!   proxy's own gate flags do not apply in this mode.
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use hyper::StatusCode;
+use serde_json::{Value, json};
+
+use super::Proxy;
+use super::replicas::Replica;
+use super::upstream::{Client, percent_encode, post_for_json};
+use crate::gate::Lease;
+
+const PREFIX: &str = "/session_gate/v1";
+/// Heartbeat period until an engine has told us its lease TTL.
+const FIRST_RENEW: Duration = Duration::from_secs(1);
+
+/// This proxy process's identity towards the engine gates, and its ticket counter.
+#[derive(Debug)]
+pub struct EngineClient {
+    /// The client id every admit, release and renew names (`proxy-<pid>-<nonce>`).
+    pub id: String,
+    tickets: AtomicU64,
+}
+
+impl Default for EngineClient {
+    fn default() -> Self {
+        let nonce = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Self {
+            id: format!("proxy-{}-{nonce:x}", std::process::id()),
+            tickets: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Why an engine admit did not give a lease.
+#[derive(Debug)]
+pub enum AdmitError {
+    /// A newer admit of the session (from any client of the engine) took over (HTTP 409).
+    Preempted {
+        /// How many attempts of the session were preempted so far.
+        num_preempted: u64,
+    },
+    /// The engine ended the attempt (`cancelled`, `expired`) or answered something else.
+    Failed {
+        /// The status to answer the client with.
+        status: StatusCode,
+        /// What happened, naming the replica.
+        message: String,
+    },
+}
+
+/// A lease held by a request: the proxy's own gate, or the replica's engine gate.
+#[derive(Debug)]
+pub enum Held {
+    /// Admitted by the proxy's gate for this replica.
+    Local(Lease),
+    /// Admitted by the replica's engine gate.
+    Engine(EngineLease),
+}
+
+impl Held {
+    /// Releases the lease (once; later calls are no-ops).
+    pub fn release(&mut self) {
+        match self {
+            Held::Local(lease) => {
+                lease.release();
+            }
+            Held::Engine(lease) => lease.release(),
+        }
+    }
+}
+
+/// One lease of an engine gate; released (in the background) once, or on drop.
+#[derive(Debug)]
+pub struct EngineLease {
+    target: Target,
+    lease: u64,
+    released: bool,
+}
+
+impl EngineLease {
+    /// Sends the release (once).
+    pub fn release(&mut self) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        let body = json!({ "lease": self.lease, "client_id": self.target.client_id });
+        self.target.spawn_post("release", body);
+    }
+}
+
+impl Drop for EngineLease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Where an engine call goes: one replica, as this proxy's client.
+#[derive(Debug, Clone)]
+struct Target {
+    client: Client,
+    base: String,
+    authority: String,
+    client_id: String,
+}
+
+impl Target {
+    fn new(proxy: &Proxy, replica: &Replica) -> Self {
+        Self {
+            client: proxy.client.clone(),
+            base: replica.url.base.clone(),
+            authority: replica.url.authority.clone(),
+            client_id: proxy.engine_client.id.clone(),
+        }
+    }
+
+    async fn post(
+        &self,
+        path_and_query: &str,
+        content_type: &str,
+        body: Bytes,
+    ) -> Result<(StatusCode, Value), String> {
+        let path = format!("{PREFIX}/{path_and_query}");
+        post_for_json(
+            &self.client,
+            &self.base,
+            &self.authority,
+            &path,
+            content_type,
+            body,
+        )
+        .await
+    }
+
+    async fn post_json(&self, route: &str, body: &Value) -> Result<Value, String> {
+        let bytes = Bytes::from(serde_json::to_vec(body).unwrap_or_default());
+        match self.post(route, "application/json", bytes).await? {
+            (StatusCode::OK, value) => Ok(value),
+            (status, value) => Err(format!(
+                "{}{PREFIX}/{route} answered {status}: {}",
+                self.base,
+                error_message(&value)
+            )),
+        }
+    }
+
+    /// Fire and forget (releases and cancels must not wait for, or fail, the answer).
+    fn spawn_post(&self, route: &'static str, body: Value) {
+        let target = self.clone();
+        // Outside a runtime (a drop during shutdown) nothing can be sent: the TTL frees it.
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                if let Err(e) = target.post_json(route, &body).await {
+                    eprintln!("session-gate proxy: engine gate {route} failed: {e}");
+                }
+            });
+        }
+    }
+}
+
+fn error_message(value: &Value) -> &str {
+    value
+        .pointer("/error/message")
+        .and_then(Value::as_str)
+        .unwrap_or("no message")
+}
+
+/// An admit in flight: dropped before it is answered (the client went away), it cancels the
+/// ticket, which withdraws the attempt or releases the lease it won in the race.
+struct Pending {
+    target: Target,
+    ticket: String,
+    answered: bool,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.answered {
+            let body = json!({ "ticket": self.ticket, "client_id": self.target.client_id });
+            self.target.spawn_post("cancel", body);
+        }
+    }
+}
+
+/// Waits until `replica`'s engine gate admits this turn (`max_tokens` None: the proxy's
+/// `default_max_tokens` knob sizes the working set, as the proxy's own gate would).
+pub async fn acquire(
+    proxy: &Proxy,
+    replica: &Replica,
+    session: &str,
+    prompt_ids: &[u32],
+    max_tokens: Option<usize>,
+    retain_session: bool,
+) -> Result<Held, AdmitError> {
+    let target = Target::new(proxy, replica);
+    let n = proxy.engine_client.tickets.fetch_add(1, Ordering::Relaxed);
+    let ticket = format!("{}:{n}", target.client_id);
+    let max_tokens = max_tokens.unwrap_or(proxy.config.gate.default_max_tokens);
+    let query = format!(
+        "admit?session_id={}&max_tokens={max_tokens}&retain_session={retain_session}\
+         &client_id={}&ticket={}",
+        percent_encode(session),
+        percent_encode(&target.client_id),
+        percent_encode(&ticket),
+    );
+    let packed: Vec<u8> = prompt_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+    let mut pending = Pending {
+        target: target.clone(),
+        ticket,
+        answered: false,
+    };
+    let answer = target
+        .post(&query, "application/octet-stream", Bytes::from(packed))
+        .await;
+    let failed = |status, message: String| AdmitError::Failed {
+        status,
+        message: format!("engine gate of {}: {message}", target.base),
+    };
+    let (status, value) = answer.map_err(|e| failed(StatusCode::BAD_GATEWAY, e))?;
+    pending.answered = true;
+    match (status, value.get("status").and_then(Value::as_str)) {
+        (StatusCode::OK, Some("admitted")) => match value.get("lease").and_then(Value::as_u64) {
+            Some(lease) => Ok(Held::Engine(EngineLease {
+                target,
+                lease,
+                released: false,
+            })),
+            None => Err(failed(
+                StatusCode::BAD_GATEWAY,
+                format!("admitted without a lease id: {value}"),
+            )),
+        },
+        (_, Some("preempted")) => Err(AdmitError::Preempted {
+            num_preempted: value
+                .get("num_preempted")
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
+        }),
+        (_, Some(other)) => Err(failed(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the engine ended this request's wait ({other})"),
+        )),
+        // 400 (bad input, e.g. a token id past the vocabulary) goes back as it is; anything
+        // else (503: the plugin is not loaded) is the replica's failure.
+        (StatusCode::BAD_REQUEST, None) => Err(failed(
+            StatusCode::BAD_REQUEST,
+            error_message(&value).into(),
+        )),
+        (status, None) => Err(failed(
+            StatusCode::BAD_GATEWAY,
+            format!("admit answered {status}: {}", error_message(&value)),
+        )),
+    }
+}
+
+/// Ends `session`'s ownership window in `replica`'s engine gate; whether it had one.
+pub async fn finish(proxy: &Proxy, replica: &Replica, session: &str) -> Result<bool, String> {
+    let target = Target::new(proxy, replica);
+    let body = json!({ "session_id": session, "client_id": target.client_id });
+    let answer = target.post_json("finish", &body).await?;
+    Ok(answer
+        .get("finished")
+        .and_then(Value::as_bool)
+        .unwrap_or(false))
+}
+
+/// Renews this proxy's client id on every healthy replica every third of the engine's lease
+/// TTL, so the leases of requests still streaming outlive the TTL. Runs until aborted.
+pub async fn heartbeat(proxy: Arc<Proxy>) {
+    let mut every = FIRST_RENEW;
+    loop {
+        let mut shortest: Option<Duration> = None;
+        for replica in proxy.replicas.list.iter().filter(|r| r.is_healthy()) {
+            let target = Target::new(&proxy, replica);
+            let body = json!({ "client_id": target.client_id });
+            match target.post_json("renew", &body).await {
+                Ok(answer) => {
+                    if let Some(ttl) = answer.get("lease_ttl_sec").and_then(Value::as_f64) {
+                        let third = Duration::from_secs_f64((ttl / 3.0).clamp(0.05, 60.0));
+                        shortest = Some(shortest.map_or(third, |s| s.min(third)));
+                    }
+                }
+                Err(e) => eprintln!("session-gate proxy: engine gate heartbeat: {e}"),
+            }
+        }
+        if let Some(s) = shortest {
+            every = s;
+        }
+        tokio::time::sleep(every).await;
+    }
+}

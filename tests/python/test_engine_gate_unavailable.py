@@ -1,0 +1,70 @@
+"""The engine gate fails open when the engine cannot answer the prefix probe: a real
+``vllm serve`` on CPU with prefix caching off (the probe then answers ``available: false``),
+gating through the middleware with the official ``openai`` client.
+
+127 usable blocks of 32 tokens; with ``high_watermark`` 0.85 the line is 107.95 blocks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SERVE_TIMEOUT, environ, word_ids
+from session_gate import HttpGate, HttpProbe
+from session_gate.engine.serve import start_vllm, stop
+
+MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
+
+
+@pytest.fixture(scope="module")
+def url():
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-engine-gate-nocache-"))
+    extra = ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--seed", "0",
+             "--middleware", MIDDLEWARE]  # fmt: skip
+    with environ({"SESSION_GATE_IDLE_GRACE_SEC": "300"}):
+        proc, base = start_vllm(
+            workdir,
+            num_blocks=128,
+            block_size=32,
+            max_model_len=4064,
+            extra_args=extra,
+            timeout=SERVE_TIMEOUT,
+        )
+    try:
+        yield base
+    finally:
+        stop(proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def test_prefix_probe_unavailable_through_the_middleware(url):
+    from openai import AsyncOpenAI
+
+    async with HttpProbe(url) as probe:
+        answer = await probe.prefix("cold", word_ids(1000, 400))
+    assert answer["available"] is False and "prefix caching" in answer["reason"]
+    client = AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0,
+        default_headers={"x-session-id": "mw-cold"},
+    )  # fmt: skip
+    async with HttpGate(url) as gate:
+        hog = await gate.acquire("hog-u", word_ids(500, 3136), 64)  # 100 blocks
+        assert hog.reason == "open"
+        # 13 more blocks do not fit under the line and the engine cannot say what is resident:
+        # the gate fails open instead of holding the turn back.
+        raw = await client.completions.with_raw_response.create(
+            model="tiny", prompt=word_ids(1000, 400), max_tokens=4
+        )
+        assert raw.headers.get("x-session-gate-reason") == "prefix_probe_unavailable"
+        assert raw.parse().usage.completion_tokens == 4
+        await hog.arelease()
+        stats = await gate.stats()
+        assert stats["admissions"]["prefix_probe_unavailable"] == 1
+        assert stats["engine_gate"]["tick_errors"] == 0
+        assert await gate.finish_session("hog-u") and await gate.finish_session("mw-cold")
+    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=30).json()
+    assert r["leases_active"] == 0
