@@ -383,6 +383,13 @@ async def test_the_proxy_gates_at_the_engine_shared_with_every_client(url, proxy
     def session(sid: str, **kwargs):
         return openai_client(f"{proxy_url}/sess/{sid}/v1", **kwargs)
 
+    # A CPU engine busy with an earlier test's long stream can miss the proxy's 2 s health check:
+    # start once the proxy sees its replica healthy again.
+    await eventually(
+        lambda: httpx.get(f"{proxy_url}/health", timeout=10).status_code == 200,
+        60.0,
+        "the proxy's replica healthy",
+    )
     before = stats(url)
     r = await session("px-a").completions.create(
         model="tiny", prompt=tokens(3300, 200), max_tokens=4
