@@ -118,6 +118,9 @@ struct ReplicaTable {
     max_num_seqs: Spanned<i64>,
     max_num_batched_tokens: Spanned<i64>,
     kv_bytes_per_token: Spanned<i64>,
+    /// vLLM's `async_scheduling`; absent means vLLM's default on a GPU (on).
+    #[serde(default)]
+    async_scheduling: Option<bool>,
     source: String,
 }
 
@@ -143,6 +146,11 @@ pub struct ProfileShape {
     pub max_num_batched_tokens: u32,
     /// KV-cache bytes per token (from the model's config).
     pub kv_bytes_per_token: u64,
+    /// vLLM's `async_scheduling` (on by default on GPUs; vLLM's CPU platform turns it off). It
+    /// decides when the engine core serves a utility call (the gate's probes): with it, between
+    /// steps with the next step already scheduled; without it, before the next step is
+    /// scheduled (`EngineCore.step` schedules, runs and updates in one call).
+    pub async_scheduling: bool,
     /// Where these numbers come from.
     pub source: String,
 }
@@ -276,6 +284,7 @@ impl CostModel {
                 max_num_seqs,
                 max_num_batched_tokens,
                 kv_bytes_per_token: u64::from(kv_bytes),
+                async_scheduling: r.async_scheduling.unwrap_or(true),
                 source: r.source.clone(),
             },
         })
@@ -332,5 +341,34 @@ mod tests {
             assert_eq!(&m.name, name);
             assert_eq!(m.coefficients().len(), 6);
         }
+    }
+
+    #[test]
+    fn async_scheduling_is_off_on_cpu_and_defaults_on() {
+        // vLLM's CPU platform sets async_scheduling = False; GPU profiles keep vLLM's default.
+        assert!(
+            !CostModel::profile("cpu-tiny")
+                .unwrap()
+                .shape
+                .async_scheduling
+        );
+        assert!(
+            CostModel::profile("h200-qwen2.5-7b")
+                .unwrap()
+                .shape
+                .async_scheduling
+        );
+        let text = include_str!("profiles/cpu-tiny.toml").replace("async_scheduling = false", "");
+        let m = CostModel::from_toml("x.toml", &text).unwrap();
+        assert!(m.shape.async_scheduling);
+        let bad = include_str!("profiles/cpu-tiny.toml")
+            .replace("async_scheduling = false", "async_scheduling = 3");
+        let err = CostModel::from_toml("x.toml", &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("x.toml") && err.contains("async_scheduling"),
+            "{err}"
+        );
     }
 }

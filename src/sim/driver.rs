@@ -113,6 +113,7 @@ pub fn simulate(
         s.validate()?;
     }
     let block_size = replica.config().block_size;
+    let async_scheduling = replica.cost().shape.async_scheduling;
     let mut events = Events::default();
     let clients = sessions
         .into_iter()
@@ -139,6 +140,7 @@ pub fn simulate(
         aborted: HashSet::new(),
         lost: LostWork::default(),
         stepping: false,
+        async_scheduling,
     };
     sim.run(mode)?;
     Ok(SimOutput {
@@ -169,6 +171,8 @@ struct Sim {
     lost: LostWork,
     /// Whether an engine step is in flight.
     stepping: bool,
+    /// The profile's `async_scheduling`: whether probes see the next step scheduled.
+    async_scheduling: bool,
 }
 
 impl Sim {
@@ -178,13 +182,23 @@ impl Sim {
         while self.finished < self.clients.len() {
             self.settle(mode)?;
             while step.is_none() {
-                step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
-                self.stepping = step.is_some();
-                // A step boundary: the mode's queued probes are answered now, with the next
-                // step already scheduled (vLLM's busy loop under async scheduling). What they
-                // admit joins the waiting queue; an idle engine schedules it at once.
+                // A step boundary: the mode's queued probes are answered now. vLLM's busy loop
+                // serves utility calls between steps: under async scheduling (GPUs) the next
+                // step is already scheduled then; without it (the CPU engine: `EngineCore.step`
+                // schedules, runs and updates in one call) it is not scheduled yet. Either way,
+                // what an answer admits reaches the engine after the next step was scheduled
+                // (the client's round trip), so it waits in the queue for the step after; an
+                // idle engine schedules it at once.
+                if self.async_scheduling {
+                    step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
+                    self.stepping = step.is_some();
+                }
                 let mut ctx = self.ctx();
                 mode.step_boundary(&mut ctx)?;
+                if !self.async_scheduling {
+                    step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
+                    self.stepping = step.is_some();
+                }
                 let reacted = !self.commands.is_empty() || !self.notes.is_empty();
                 self.settle(mode)?;
                 if step.is_some() || !reacted {

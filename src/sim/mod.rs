@@ -22,8 +22,10 @@
 //! - [`FinishedRequest`] also carries `num_preemptions` (how often that request was recomputed).
 //! - [`ReplicaConfig::from_profile`] gives the profile's replica shape.
 //! - The model is synchronous scheduling (schedule, run, update). vLLM 0.32 turns on async
-//!   scheduling by default, which overlaps the next step's scheduling with the model run; it
-//!   changes the timing of outputs by at most one step and is folded into the fitted costs.
+//!   scheduling by default on GPUs (its CPU platform turns it off), which overlaps the next
+//!   step's scheduling with the model run; it changes the timing of outputs by at most one step
+//!   and is folded into the fitted costs. What the profile's `async_scheduling` does change is
+//!   when a probe is answered (see `driver`): after the next step is scheduled, or before.
 use std::sync::Arc;
 
 pub mod block_pool;

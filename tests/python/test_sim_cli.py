@@ -122,3 +122,31 @@ def test_fidelity_compares_modes_as_ratios_to_none():
     v = fidelity.verdict({"w": c})
     assert v["largest_errors"]["makespan_ratio_rel"]["where"] == "w/gate"
     assert not v["targets_hold"]["makespan_ratio_rel"] and v["targets_hold"]["hit_rate_abs"]
+
+
+def test_fidelity_averages_a_mode_measured_in_several_real_files(tmp_path):
+    def s(mode, hit, prefill, span):
+        return {"mode": mode, "hit_rate": hit, "prefill_tokens": prefill, "makespan_sec": span}
+
+    files = []
+    for i, runs in enumerate(
+        [
+            {"default": [s("none", 0.28, 400, 50.0), s("seed", 0.29, 398, 58.0)]},
+            {"default": [s("seed", 0.33, 380, 52.0)], "mixed": [s("none", 0.3, 420, 60.0)]},
+        ]
+    ):
+        path = tmp_path / f"real-{i}.json"
+        path.write_text(json.dumps({"seed": 0, "workloads": runs}))
+        files.append(str(path))
+    args = fidelity.parse_args(["--real-json", *files])
+    real = fidelity.real_results(args)
+    assert [m["mode"] for m in real["default"]] == ["none", "seed"]
+    seed = real["default"][1]
+    assert seed["runs"] == 2 and seed["hit_rate"] == pytest.approx(0.31)
+    assert seed["hit_rate_range"] == [0.29, 0.33]
+    assert seed["prefill_tokens"] == 389 and seed["makespan_sec"] == pytest.approx(55.0)
+    assert real["default"][0]["runs"] == 1 and real["mixed"][0]["hit_rate"] == 0.3
+    c = fidelity.compare(real["default"], [s("none", 0.28, 400, 10.0), s("seed", 0.30, 390, 10.0)])
+    assert c["modes"]["seed"]["hit_rate_abs"] == pytest.approx(-0.01)
+    assert c["modes"]["seed"]["real_runs"] == 2
+    assert "2: 0.290-0.330" in fidelity.table("default", c)

@@ -77,6 +77,8 @@ def profile_toml(coef: np.ndarray, note: str, shape: dict[str, int]) -> str:
         f"block_size = {shape['block_size']}",
         f"max_num_seqs = {shape['max_num_seqs']}",
         f"max_num_batched_tokens = {shape['max_num_batched_tokens']}",
+        "# vLLM's CPU platform turns async scheduling off (vllm/platforms/cpu.py).",
+        "async_scheduling = false",
         'source = "the bench\'s engine shape (session_gate.bench.workloads.EngineShape)"',
         "",
         "[cost]",

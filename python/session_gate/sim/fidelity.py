@@ -38,7 +38,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default=MODES)
     p.add_argument("--profile", default="cpu-tiny")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--real-json", help="use this real bench results file instead of running")
+    p.add_argument(
+        "--real-json",
+        nargs="+",
+        help="use these real bench results files instead of running (each may hold any modes "
+        "of any workloads; a mode measured in several files is compared by its mean, and the "
+        "real runs' spread is printed)",
+    )
     p.add_argument("--real-out", default="sim-fidelity-real.json")
     p.add_argument("--out", default="sim-fidelity.json")
     p.add_argument(
@@ -55,8 +61,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     if args.real_json:
-        with open(args.real_json) as f:
-            return json.load(f)["workloads"]
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for path in args.real_json:
+            with open(path) as f:
+                for workload, summaries in json.load(f)["workloads"].items():
+                    for s in summaries:
+                        runs.setdefault(workload, {}).setdefault(s["mode"], []).append(s)
+        return {
+            w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()
+        }
     from session_gate.bench import __main__ as bench
 
     bench_args = bench.parse_args(
@@ -72,6 +85,21 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     with open(args.real_out, "w") as f:
         json.dump({"seed": args.seed, "workloads": by_workload}, f, indent=2)
     return by_workload
+
+
+def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's real summary over repeated runs: the mean hit rate, prefill tokens and
+    makespan, with the runs' count and hit-rate range (the real engine's run-to-run spread:
+    thread timing moves admissions, and with them the hits)."""
+    out = dict(runs[0])
+    n = len(runs)
+    hits = [r["hit_rate"] for r in runs]
+    out["hit_rate"] = sum(hits) / n
+    out["prefill_tokens"] = round(sum(r["prefill_tokens"] for r in runs) / n)
+    out["makespan_sec"] = sum(r["makespan_sec"] for r in runs) / n
+    out["runs"] = n
+    out["hit_rate_range"] = [min(hits), max(hits)]
+    return out
 
 
 @contextlib.contextmanager
@@ -113,6 +141,8 @@ def compare(real: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str,
             "hit_rate_real": r[m]["hit_rate"],
             "hit_rate_twin": t[m]["hit_rate"],
             "hit_rate_abs": t[m]["hit_rate"] - r[m]["hit_rate"],
+            "real_runs": r[m].get("runs", 1),
+            "hit_rate_real_range": r[m].get("hit_rate_range", [r[m]["hit_rate"]] * 2),
             "prefill_tokens_real": r[m]["prefill_tokens"],
             "prefill_tokens_twin": t[m]["prefill_tokens"],
             "prefill_tokens_rel": t[m]["prefill_tokens"] / max(1, r[m]["prefill_tokens"]) - 1,
@@ -136,7 +166,7 @@ def table(workload: str, c: dict[str, Any]) -> str:
     lines = [
         f"{workload}: twin (SIMULATED, cpu-tiny) vs real CPU engine (measured)",
         f"{'mode':<6} {'hit real':>8} {'twin':>6} {'err':>7}  {'prefill real':>12} {'twin':>9} "
-        f"{'err %':>7}  {'span/none real':>14} {'twin':>6} {'err %':>7}",
+        f"{'err %':>7}  {'span/none real':>14} {'twin':>6} {'err %':>7}  real runs: hit range",
     ]
     for m, e in c["modes"].items():
         lines.append(
@@ -144,7 +174,8 @@ def table(workload: str, c: dict[str, Any]) -> str:
             f"{e['hit_rate_abs']:>+7.3f}  {e['prefill_tokens_real']:>12,} "
             f"{e['prefill_tokens_twin']:>9,} {100 * e['prefill_tokens_rel']:>+7.1f}  "
             f"{e['makespan_ratio_real']:>14.2f} {e['makespan_ratio_twin']:>6.2f} "
-            f"{100 * e['makespan_ratio_rel']:>+7.1f}"
+            f"{100 * e['makespan_ratio_rel']:>+7.1f}  {e['real_runs']}: "
+            f"{e['hit_rate_real_range'][0]:.3f}-{e['hit_rate_real_range'][1]:.3f}"
         )
     lines.append(f"order by makespan: real {c['order_real']}, twin {c['order_twin']}")
     return "\n".join(lines)

@@ -5,8 +5,9 @@
 //! `usage()`, a prefix probe from its `probe_prefix()` (what the engine half would answer for
 //! the same pool state). The real probes are utility calls into vLLM's engine core, which its
 //! busy loop serves between steps: so while the engine is stepping, a probe is answered at the
-//! next step boundary (with the next step already scheduled, as under vLLM's default async
-//! scheduling), and one not answered within `probe_timeout_sec` fails as a timeout, as in the
+//! next step boundary (with the next step already scheduled under vLLM's async scheduling, the
+//! GPU default; before it is scheduled without it, as on the CPU engine), and one not answered
+//! within `probe_timeout_sec` fails as a timeout, as in the
 //! production drivers; an idle engine answers at once. `Wait { until }` parks the
 //! attempt until `until` or until the core's epoch moves, whichever comes first; after every
 //! call that moved the epoch every parked attempt polls again (the tokio driver's

@@ -119,8 +119,10 @@ pub trait Mode {
         Ok(())
     }
 
-    /// An engine-step boundary: the step that just ended has been applied and the next one
-    /// (if any) is scheduled — vLLM's busy loop answers queued utility calls (probes) here.
+    /// An engine-step boundary: the step that just ended has been applied and, under the
+    /// profile's `async_scheduling`, the next one (if any) is scheduled (without it, it is
+    /// scheduled right after this call) — vLLM's busy loop answers queued utility calls
+    /// (probes) here.
     fn step_boundary(&mut self, _ctx: &mut Ctx<'_>) -> Result<()> {
         Ok(())
     }
