@@ -67,9 +67,7 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
                 for workload, summaries in json.load(f)["workloads"].items():
                     for s in summaries:
                         runs.setdefault(workload, {}).setdefault(s["mode"], []).append(s)
-        return {
-            w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()
-        }
+        return {w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()}
     from session_gate.bench import __main__ as bench
 
     bench_args = bench.parse_args(
