@@ -150,3 +150,34 @@ def test_fidelity_averages_a_mode_measured_in_several_real_files(tmp_path):
     assert c["modes"]["seed"]["hit_rate_abs"] == pytest.approx(-0.01)
     assert c["modes"]["seed"]["real_runs"] == 2
     assert "2: 0.290-0.330" in fidelity.table("default", c)
+
+
+def test_parallel_runs_give_the_same_results_in_the_same_order(tmp_path, capsys):
+    """``--jobs 2`` runs modes at once; each run is deterministic, so results and output order
+    are those of ``--jobs 1`` (only the runs' own wall-clock seconds differ)."""
+    results = []
+    for jobs in (1, 2):
+        out = tmp_path / f"r{jobs}.json"
+        sim_main.main(
+            [
+                "--workload",
+                "default",
+                "mixed",
+                "--modes",
+                "none,cap4,seed,gate",
+                "--jobs",
+                str(jobs),
+                "--out",
+                str(out),
+                "--plot",
+                str(tmp_path / f"r{jobs}.png"),
+            ]
+        )
+        tables = capsys.readouterr().out.split("wrote")[0]
+        data = json.loads(out.read_text())["workloads"]
+        for summaries in data.values():
+            for s in summaries:
+                s["replica"].pop("wall_sec")
+        results.append((tables, data))
+    assert list(results[0][1]) == ["default @ cpu-tiny", "mixed @ cpu-tiny"]
+    assert results[0] == results[1]

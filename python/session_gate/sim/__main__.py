@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from session_gate.bench import report
@@ -22,8 +23,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cli.add_common(p, modes=DEFAULT_MODES)
     p.add_argument("--out", default="sim-results.json")
     p.add_argument("--plot", default="sim-results.png")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs simulated at once (threads: the native simulation releases the GIL; each "
+        "run is deterministic, so the results do not depend on it; default 1)",
+    )
     args = p.parse_args(argv)
     args.mode_list = cli.modes_of(p, args.modes)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: at least 1")
     try:
         args.knobs = cli.knobs_of(args)
         from session_gate import _native
@@ -36,16 +46,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Every (workload, profile, mode) run, ``args.jobs`` at a time; tables in input order."""
     by_workload: dict[str, list[dict[str, Any]]] = {}
-    for workload in args.workloads:
-        for profile in args.profile:
+    shape = cli.shape_of(args)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        groups = [
+            (
+                workload,
+                profile,
+                [
+                    pool.submit(run_twin, workload, mode, profile, args.knobs, shape)
+                    for mode in args.mode_list
+                ],
+            )
+            for workload in args.workloads
+            for profile in args.profile
+        ]
+        for workload, profile, futures in groups:
             key = f"{workload.name} @ {profile_label(profile)}"
-            print(f"{workload.describe()}; profile {profile} (SIMULATED)", flush=True)
-            summaries = [
-                run_twin(workload, mode, profile, args.knobs, cli.shape_of(args)).summary()
-                for mode in args.mode_list
-            ]
+            summaries = [f.result().summary() for f in futures]
             by_workload[key] = summaries
+            print(f"{workload.describe()}; profile {profile} (SIMULATED)")
             print("\n" + report.table(summaries))
             print("\n" + report.turn_latency_table(summaries) + "\n", flush=True)
     return by_workload
