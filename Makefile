@@ -144,7 +144,7 @@ sim: setup
 	$(PY) -m session_gate.sim.speed
 	$(PY) -m session_gate.sim --workload rl-rollout rl-async \
 		--profile h200-qwen2.5-7b h200-qwen2.5-32b --modes $(SIM_MODES) \
-		--out sim-results.json --plot sim-results.png
+		--out docs/sim-results.json --plot docs/sim-results.png
 
 # The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
 sim-fidelity: setup

@@ -2,6 +2,7 @@
 //! arrivals, token identity as the prefix cache sees it, session caps, and the real gate core's
 //! waits and wake-ups, all on a replica whose every step takes exactly 10 ms.
 use session_gate::gate::GateConfig;
+use session_gate::sim::Replica;
 use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate};
 
 mod common;
@@ -269,6 +270,37 @@ fn probes_asked_while_the_engine_steps_are_answered_at_the_next_step_boundary() 
     // a's probe found an idle engine (answered at once), b's waited 9 ms.
     assert_eq!(usage.latency.count, 2);
     assert!(close(usage.latency.sum, STEP - 0.001), "{usage:?}");
+}
+
+#[test]
+fn without_async_scheduling_a_probe_sees_the_pool_before_the_next_step_is_scheduled() {
+    // a runs; c's turn, admitted at the 10 ms boundary, waits for the step that starts at
+    // 20 ms; b asks its usage probe at 15 ms. With vLLM's async scheduling (GPU engines) the
+    // probe is served with the 20 ms step already scheduled, c's 16 blocks included: usage
+    // 32/36, above the seed's 0.85, so b waits. Without it (the CPU engine, `EngineCore.step`)
+    // it is served before that step is scheduled: usage 16/36, b is let in at once.
+    let sessions = vec![
+        session("a", 0, 250, 0.0, &[(0, 8, 1.0)]),
+        session("c", 0, 250, 0.002, &[(0, 8, 0.0)]),
+        session("b", 0, 250, 0.015, &[(0, 8, 0.0)]),
+    ];
+    let b_of = |async_scheduling: bool| {
+        let cost = common::flat_cost_with(&format!("async_scheduling = {async_scheduling}"));
+        assert_eq!(cost.shape.async_scheduling, async_scheduling);
+        let mut r = replica(37);
+        r = Replica::new(*r.config(), cost).unwrap();
+        let mut m = ModeSpec::from_kind("seed", 0, GateConfig::default())
+            .unwrap()
+            .build(3)
+            .unwrap();
+        let out = simulate(sessions.clone(), 7, r, m.as_mut()).unwrap();
+        (*of(&out, 2)[0]).clone()
+    };
+    let sync = b_of(false);
+    assert_eq!(sync.reason, "open");
+    assert!(close(sync.wait_sec, 2.0 * STEP - 0.015), "{sync:?}");
+    let overlapped = b_of(true);
+    assert!(overlapped.wait_sec > 2.0 * STEP, "{overlapped:?}");
 }
 
 #[test]

@@ -7,11 +7,16 @@ pub const STEP: f64 = 0.01;
 
 /// A profile whose steps all take [`STEP`] seconds, whatever they schedule.
 pub fn flat_cost() -> CostModel {
+    flat_cost_with("")
+}
+
+/// [`flat_cost`] with `extra` lines in its `[replica]` table.
+pub fn flat_cost_with(extra: &str) -> CostModel {
     let coef = |v: f64| format!("{{ value = {v}, source = \"test\" }}");
     let text = format!(
         "name = \"flat\"\ndescription = \"every step 10 ms\"\n\
          [replica]\nkv_bytes_per_token = 1\nnum_blocks = 1024\nblock_size = 16\n\
-         max_num_seqs = 16\nmax_num_batched_tokens = 8192\nsource = \"test\"\n\
+         max_num_seqs = 16\nmax_num_batched_tokens = 8192\nsource = \"test\"\n{extra}\n\
          [cost]\nstep_sec = {}\nper_seq_sec = {}\nper_token_sec = {}\nweights_sec = {}\n\
          prefill_attn_sec = {}\ndecode_ctx_sec = {}\n",
         coef(STEP),
