@@ -7,9 +7,9 @@ results files the bench wrote (``--real-json``; a mode measured in several files
 its mean, since the real engine's hit rate and makespan vary run to run) — then the twin on
 the ``cpu-tiny`` profile with the same workloads, modes and seed, and prints per mode: the
 hit-rate error (absolute), the prefill-token error (%), the error of the makespan ratio to
-``none`` (%), and whether the modes come out in the same order by makespan. The last line is JSON with the largest errors and
-whether issue 9's targets hold (hit rate within 0.03, prefill tokens within 10%, makespan ratio
-to ``none`` within 15%, same ordering).
+``none`` (%), and whether the modes come out in the same order by makespan. The last line is
+JSON with the largest errors and whether issue 9's targets hold (hit rate within 0.03, prefill
+tokens within 10%, makespan ratio to ``none`` within 15%, same ordering).
 
 ``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
 (``session_gate.engine.step_timing.StepLog``: per iteration its prefill and decode requests and
