@@ -16,12 +16,31 @@
 //!    watermark, the updated committed set fits under `line` and FIFO allows it, else
 //!    `reserved_session`.
 //! 2. Cold, and FIFO allows it (see below): `open` when nothing is committed (so an oversize
-//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`.
+//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`, or
+//!    when usage < watermark and idle reservations can yield enough room (see "Yielding idle
+//!    room").
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
 //!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
 //! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
 //!
 //! Every admission takes (or renews) the session's reservation.
+//!
+//! **Growth.** In committed mode `ws` above, and what a reservation holds, is the turn's working
+//! set plus [`GROWTH_TURNS`] (3) turns of expected growth: the blocks the session's working set
+//! grew since its reservation was last renewed, or, for a session without a reservation (a new
+//! one, a revoked one), the mean such growth the core has seen (0 until a reservation was
+//! renewed). Agentic contexts grow every turn; without this the first wave of sessions all fit
+//! at their first turn and the youngest are revoked one after another as the elders grow, each
+//! after its context was built up (README, "Against what users run today").
+//!
+//! **Yielding idle room.** A reservation in its idle grace window (its session is running a
+//! tool) that has been idle for [`YIELD_AFTER_TURNS`] (8) mean turn times (admission to release,
+//! learned from released leases) gives its room to a cold attempt at the head of the queue that
+//! does not fit otherwise: longest idle first, and only if dropping them makes it fit. A yielded
+//! reservation counts as a revocation; its session's next turn is a cold attempt like any new
+//! one. When tools take far longer than turns, holding their room idle serialises sessions while
+//! re-prefilling the context on their return is cheap; when tools are short next to turns,
+//! nothing is idle that long and nothing yields.
 //!
 //! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
@@ -72,6 +91,15 @@ use super::types::{
     Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,
 };
 use crate::error::{Error, Result};
+
+/// Turns of growth a committed reservation covers beyond the turn's working set (module docs,
+/// "Growth"). Not a knob: chosen once on the whole twin matrix (README).
+pub(crate) const GROWTH_TURNS: f64 = 3.0;
+/// An idle reservation yields its room to the head of the queue once it has been idle this many
+/// mean turn times (module docs, "Yielding idle room"). Not a knob, as above.
+pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
+/// Weight of a new observation in the learned means (turn time, growth per turn).
+const EWMA_WEIGHT: f64 = 0.1;
 
 /// Cache geometry from the latest valid usage report.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -128,6 +156,8 @@ struct LeaseRec {
     /// Age of the reservation this lease holds, if any. A lease outliving its reservation
     /// (finished, revoked) must not touch the session's next one.
     reservation: Option<u64>,
+    /// When it was admitted: its duration feeds the mean turn time.
+    admitted_at: f64,
 }
 
 enum Step {
@@ -153,6 +183,11 @@ pub struct GateCore {
     epoch: u64,
     pending: u64,
     stats: GateStats,
+    /// Mean admission-to-release time of a lease (EWMA), once one was released.
+    turn_sec: Option<f64>,
+    /// Mean growth of a working set from one turn to the next, in blocks (EWMA), once a
+    /// reservation was renewed.
+    growth_blocks: Option<f64>,
 }
 
 impl GateCore {
@@ -172,6 +207,8 @@ impl GateCore {
             epoch: 0,
             pending: 0,
             stats: GateStats::new(),
+            turn_sec: None,
+            growth_blocks: None,
         })
     }
 
@@ -270,7 +307,7 @@ impl GateCore {
                 }
                 Step::Restart
             }
-            Phase::Decide => self.decide_on_usage(id),
+            Phase::Decide => self.decide_on_usage(id, now),
             Phase::DecidePrefix => self.decide_on_prefix(id, now),
         };
         Ok(match step {
@@ -518,6 +555,11 @@ impl GateCore {
         self.dequeue(&a);
         self.pending -= 1;
         let ws_blocks = self.blocks(a.ws_tokens);
+        // Committed mode reserves the working set plus its expected growth.
+        let reserve = ws_blocks.map(|w| self.with_growth(a.slot, w));
+        if let Some(grew) = ws_blocks.and_then(|w| self.last_growth(a.slot, w)) {
+            self.growth_blocks = Some(ewma(self.growth_blocks, grew as f64));
+        }
         let session = self.sessions.get_mut(a.slot);
         session.attempts -= 1;
         session.leases += 1;
@@ -532,7 +574,7 @@ impl GateCore {
         };
         let mut reservation = None;
         if takes {
-            let blocks = ws_blocks.unwrap_or(0);
+            let blocks = reserve.unwrap_or(0);
             match &mut session.reservation {
                 Some(res) => {
                     self.ledger.resize(res.age, res.ws_blocks, blocks);
@@ -568,6 +610,7 @@ impl GateCore {
             LeaseRec {
                 slot: a.slot,
                 reservation,
+                admitted_at: now,
             },
         );
         let wait_sec = (now - a.started).max(0.0);
@@ -604,6 +647,7 @@ impl GateCore {
             return false;
         };
         let grace = self.cfg.idle_grace_sec;
+        self.turn_sec = Some(ewma(self.turn_sec, (now - rec.admitted_at).max(0.0)));
         let session = self.sessions.get_mut(rec.slot);
         session.leases -= 1;
         let mut drop_it = false;
@@ -646,6 +690,28 @@ impl GateCore {
         }
     }
 
+    /// How many blocks the session's working set grew since its reservation was last renewed;
+    /// `None` without a reservation (or before the block size is known).
+    fn last_growth(&self, slot: u32, ws: u64) -> Option<u64> {
+        let res = self.sessions.get(slot).reservation.as_ref()?;
+        let g = self.geometry?;
+        Some(ws.saturating_sub(res.ws_tokens.div_ceil(g.block_size)))
+    }
+
+    /// What committed mode reserves for a working set of `ws` blocks (see "Growth" in the
+    /// module docs): `ws` plus [`GROWTH_TURNS`] turns of the session's last growth, or of the
+    /// mean growth for a session without a reservation. Engine mode reserves `ws`.
+    pub(super) fn with_growth(&self, slot: u32, ws: u64) -> u64 {
+        if self.cfg.pressure != Pressure::Committed {
+            return ws;
+        }
+        let per_turn = match self.last_growth(slot, ws) {
+            Some(g) => g as f64,
+            None => self.growth_blocks.unwrap_or(0.0),
+        };
+        ws + (GROWTH_TURNS * per_turn).round() as u64
+    }
+
     fn set_geometry(&mut self, g: Geometry) {
         let block_size_changed = self.geometry.map(|old| old.block_size) != Some(g.block_size);
         self.geometry = Some(g);
@@ -660,6 +726,11 @@ impl GateCore {
             }
         }
     }
+}
+
+/// One step of the exponentially weighted means the core learns (`EWMA_WEIGHT` on the new value).
+fn ewma(mean: Option<f64>, x: f64) -> f64 {
+    mean.map_or(x, |m| m + EWMA_WEIGHT * (x - m))
 }
 
 fn stale_attempt(attempt: AttemptId) -> Error {
