@@ -10,7 +10,7 @@ impl GateCore {
     pub(super) fn decide_on_usage(&mut self, id: u64, now: f64) -> Step {
         let a = &self.attempts[&id];
         let (slot, order, usage) = (a.slot, a.order, a.usage);
-        let ws = self.blocks(a.ws_tokens).map(|w| self.with_growth(slot, w));
+        let ws = self.blocks(a.ws_tokens);
         let fifo_ok = self.may_open(order);
         let hw = self.cfg.high_watermark;
         match self.cfg.pressure {
@@ -58,11 +58,6 @@ impl GateCore {
                         return Step::Admit(Reason::ReservedSession);
                     }
                 }
-                // Recomputed: a revocation above leaves the session without a reservation, so its
-                // expected growth is now the mean one.
-                let ws = self
-                    .blocks(self.attempts[&id].ws_tokens)
-                    .map(|w| self.with_growth(slot, w));
                 let committed = self.ledger.committed();
                 let fifo_ok = self.may_open(self.attempts[&id].order);
                 if fifo_ok {

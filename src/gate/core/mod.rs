@@ -25,14 +25,6 @@
 //!
 //! Every admission takes (or renews) the session's reservation.
 //!
-//! **Growth.** In committed mode `ws` above, and what a reservation holds, is the turn's working
-//! set plus [`GROWTH_TURNS`] (3) turns of expected growth: the blocks the session's working set
-//! grew since its reservation was last renewed, or, for a session without a reservation (a new
-//! one, a revoked one), the mean such growth the core has seen (0 until a reservation was
-//! renewed). Agentic contexts grow every turn; without this the first wave of sessions all fit
-//! at their first turn and the youngest are revoked one after another as the elders grow, each
-//! after its context was built up (README, "Against what users run today").
-//!
 //! **Yielding idle room.** A reservation in its idle grace window (its session is running a
 //! tool) that has been idle for [`YIELD_AFTER_TURNS`] (8) mean turn times (admission to release,
 //! learned from released leases) gives its room to a cold attempt at the head of the queue that
@@ -92,13 +84,11 @@ use super::types::{
 };
 use crate::error::{Error, Result};
 
-/// Turns of growth a committed reservation covers beyond the turn's working set (module docs,
-/// "Growth"). Not a knob: chosen once on the whole twin matrix (README).
-pub(crate) const GROWTH_TURNS: f64 = 3.0;
 /// An idle reservation yields its room to the head of the queue once it has been idle this many
-/// mean turn times (module docs, "Yielding idle room"). Not a knob, as above.
+/// mean turn times (module docs, "Yielding idle room"). Not a knob: chosen once on the whole
+/// twin matrix, two seeds (README, "Against what users run today").
 pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
-/// Weight of a new observation in the learned means (turn time, growth per turn).
+/// Weight of a new observation in the learned mean turn time.
 const EWMA_WEIGHT: f64 = 0.1;
 
 /// Cache geometry from the latest valid usage report.
@@ -185,9 +175,6 @@ pub struct GateCore {
     stats: GateStats,
     /// Mean admission-to-release time of a lease (EWMA), once one was released.
     turn_sec: Option<f64>,
-    /// Mean growth of a working set from one turn to the next, in blocks (EWMA), once a
-    /// reservation was renewed.
-    growth_blocks: Option<f64>,
 }
 
 impl GateCore {
@@ -208,7 +195,6 @@ impl GateCore {
             pending: 0,
             stats: GateStats::new(),
             turn_sec: None,
-            growth_blocks: None,
         })
     }
 
@@ -555,11 +541,6 @@ impl GateCore {
         self.dequeue(&a);
         self.pending -= 1;
         let ws_blocks = self.blocks(a.ws_tokens);
-        // Committed mode reserves the working set plus its expected growth.
-        let reserve = ws_blocks.map(|w| self.with_growth(a.slot, w));
-        if let Some(grew) = ws_blocks.and_then(|w| self.last_growth(a.slot, w)) {
-            self.growth_blocks = Some(ewma(self.growth_blocks, grew as f64));
-        }
         let session = self.sessions.get_mut(a.slot);
         session.attempts -= 1;
         session.leases += 1;
@@ -574,7 +555,7 @@ impl GateCore {
         };
         let mut reservation = None;
         if takes {
-            let blocks = reserve.unwrap_or(0);
+            let blocks = ws_blocks.unwrap_or(0);
             match &mut session.reservation {
                 Some(res) => {
                     self.ledger.resize(res.age, res.ws_blocks, blocks);
@@ -690,28 +671,6 @@ impl GateCore {
         }
     }
 
-    /// How many blocks the session's working set grew since its reservation was last renewed;
-    /// `None` without a reservation (or before the block size is known).
-    fn last_growth(&self, slot: u32, ws: u64) -> Option<u64> {
-        let res = self.sessions.get(slot).reservation.as_ref()?;
-        let g = self.geometry?;
-        Some(ws.saturating_sub(res.ws_tokens.div_ceil(g.block_size)))
-    }
-
-    /// What committed mode reserves for a working set of `ws` blocks (see "Growth" in the
-    /// module docs): `ws` plus [`GROWTH_TURNS`] turns of the session's last growth, or of the
-    /// mean growth for a session without a reservation. Engine mode reserves `ws`.
-    pub(super) fn with_growth(&self, slot: u32, ws: u64) -> u64 {
-        if self.cfg.pressure != Pressure::Committed {
-            return ws;
-        }
-        let per_turn = match self.last_growth(slot, ws) {
-            Some(g) => g as f64,
-            None => self.growth_blocks.unwrap_or(0.0),
-        };
-        ws + (GROWTH_TURNS * per_turn).round() as u64
-    }
-
     fn set_geometry(&mut self, g: Geometry) {
         let block_size_changed = self.geometry.map(|old| old.block_size) != Some(g.block_size);
         self.geometry = Some(g);
@@ -728,7 +687,7 @@ impl GateCore {
     }
 }
 
-/// One step of the exponentially weighted means the core learns (`EWMA_WEIGHT` on the new value).
+/// One step of an exponentially weighted mean (`EWMA_WEIGHT` on the new value).
 fn ewma(mean: Option<f64>, x: f64) -> f64 {
     mean.map_or(x, |m| m + EWMA_WEIGHT * (x - m))
 }
