@@ -92,3 +92,19 @@ fn nothing_yields_unless_it_makes_the_head_fit() {
     assert_eq!(c.stats().revocations, 1);
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn an_idle_window_never_yields_within_one_poll_interval() {
+    let mut c = core();
+    // Released at once: the mean turn time is 0, so 8 turn times alone would be no wait at all.
+    let l = lease(&mut c, "s1", 50, 0.0);
+    c.release(l, 0.0);
+    let (id, action) = turn(&mut c, "s2", 50, 1.0);
+    assert!(waits(&action), "{action:?}");
+    assert!(c.has_reservation("s1"));
+    // At its next poll (wait_poll_sec = 5 s later) s1 has been idle 6 s >= 5 s: it yields.
+    let a = admitted(drive(&mut c, id, 6.0));
+    assert_eq!(a.reason, Reason::Open);
+    assert!(!c.has_reservation("s1"));
+    c.check_invariants().unwrap();
+}

@@ -80,14 +80,17 @@ impl GateCore {
     }
 
     /// Yielding idle room (module docs): reservations idle for [`YIELD_AFTER_TURNS`] mean
-    /// turn times or more are dropped, longest idle first, if dropping them lets a working set
+    /// turn times (and at least `wait_poll_sec`) or more are dropped, longest idle first, if dropping them lets a working set
     /// of `ws` blocks fit under `line`; otherwise nothing is dropped. Returns whether it fits.
     fn yield_idle(&mut self, ws: u64, line: f64, now: f64) -> bool {
         let Some(turn) = self.turn_sec else {
             return false;
         };
-        // A window ending by `cutoff` started YIELD_AFTER_TURNS turn times ago or earlier.
-        let cutoff = now - YIELD_AFTER_TURNS * turn + self.cfg.idle_grace_sec;
+        // Never sooner than one poll interval: leases released at once (a turn time near 0)
+        // must not make every idle window yield on sight.
+        let after = (YIELD_AFTER_TURNS * turn).max(self.cfg.wait_poll_sec);
+        // A window ending by `cutoff` started `after` seconds ago or earlier.
+        let cutoff = now - after + self.cfg.idle_grace_sec;
         let committed = self.ledger.committed();
         let mut take = Vec::new();
         let mut freed = 0;

@@ -27,7 +27,7 @@
 //!
 //! **Yielding idle room.** A reservation in its idle grace window (its session is running a
 //! tool) that has been idle for [`YIELD_AFTER_TURNS`] (8) mean turn times (admission to release,
-//! learned from released leases) gives its room to a cold attempt at the head of the queue that
+//! learned from released leases), and at least `wait_poll_sec`, gives its room to a cold attempt at the head of the queue that
 //! does not fit otherwise: longest idle first, and only if dropping them makes it fit. A yielded
 //! reservation counts as a revocation; its session's next turn is a cold attempt like any new
 //! one. When tools take far longer than turns, holding their room idle serialises sessions while
