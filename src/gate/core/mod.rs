@@ -26,7 +26,7 @@
 //! Every admission takes (or renews) the session's reservation.
 //!
 //! **Yielding idle room.** A reservation in its idle grace window (its session is running a
-//! tool) that has been idle for [`YIELD_AFTER_TURNS`] (8) mean turn times (admission to release,
+//! tool) that has been idle for `YIELD_AFTER_TURNS` (8) mean turn times (admission to release,
 //! learned from released leases), and at least `wait_poll_sec`, gives its room to a cold attempt at the head of the queue that
 //! does not fit otherwise: longest idle first, and only if dropping them makes it fit. A yielded
 //! reservation counts as a revocation; its session's next turn is a cold attempt like any new
