@@ -438,9 +438,8 @@ async fn forward(
     // gating middleware (if it runs one) does not admit the same turn a second time.
     let gated_at_engine = matches!(lease, Some(Held::Engine(_)));
     for (name, value) in headers {
-        if !is_hop_header(name.as_str())
-            && !(gated_at_engine && name.as_str() == proxy.config.session_header)
-        {
+        let drop_session = gated_at_engine && name.as_str() == proxy.config.session_header;
+        if !is_hop_header(name.as_str()) && !drop_session {
             builder = builder.header(name, value);
         }
     }
