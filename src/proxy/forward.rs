@@ -434,8 +434,12 @@ async fn forward(
         .method(method)
         .uri(format!("{}{}", replica.url.base, path))
         .header(hyper::header::HOST, &replica.url.authority);
+    // Admitted by the replica's engine gate already: without the session header, the replica's
+    // gating middleware (if it runs one) does not admit the same turn a second time.
+    let gated_at_engine = matches!(lease, Some(Held::Engine(_)));
     for (name, value) in headers {
-        if !is_hop_header(name.as_str()) {
+        let drop_session = gated_at_engine && name.as_str() == proxy.config.session_header;
+        if !is_hop_header(name.as_str()) && !drop_session {
             builder = builder.header(name, value);
         }
     }

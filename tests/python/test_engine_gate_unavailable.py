@@ -7,38 +7,22 @@ gating through the middleware with the official ``openai`` client.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-
 import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, environ, word_ids
+from conftest import served_vllm, word_ids
 from session_gate import HttpGate, HttpProbe
-from session_gate.engine.serve import start_vllm, stop
 
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 
 @pytest.fixture(scope="module")
 def url():
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-engine-gate-nocache-"))
     extra = ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--seed", "0",
              "--middleware", MIDDLEWARE]  # fmt: skip
-    with environ({"SESSION_GATE_IDLE_GRACE_SEC": "300"}):
-        proc, base = start_vllm(
-            workdir,
-            num_blocks=128,
-            block_size=32,
-            max_model_len=4064,
-            extra_args=extra,
-            timeout=SERVE_TIMEOUT,
-        )
-    try:
+    with served_vllm(
+        "engine-gate-nocache", extra_args=extra, env={"SESSION_GATE_IDLE_GRACE_SEC": "300"}
+    ) as base:
         yield base
-    finally:
-        stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 async def test_prefix_probe_unavailable_through_the_middleware(url):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import tempfile
 import time
 import urllib.error
@@ -15,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary, word_ids
-from session_gate.engine.serve import start_proxy, start_vllm, stop
+from conftest import get_text, metric, proxy_binary, served_vllm, word_ids
+from session_gate.engine.serve import start_proxy, stop
 from session_gate.engine.tiny_tokenizer import word
 
 NUM_BLOCKS = 128  # 127 usable
@@ -37,21 +36,12 @@ def post(url: str, body: bytes | dict | None = None, content_type: str = "applic
 
 @pytest.fixture(scope="module")
 def vllm_url():
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-http-"))
     extra = ["--max-num-seqs", "16", "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0"]
-    proc, url = start_vllm(
-        workdir,
-        num_blocks=NUM_BLOCKS,
-        block_size=BLOCK,
+    with served_vllm(
+        "http", extra_args=extra, num_blocks=NUM_BLOCKS, block_size=BLOCK,
         max_model_len=MAX_MODEL_LEN,
-        extra_args=extra,
-        timeout=SERVE_TIMEOUT,
-    )
-    try:
+    ) as url:  # fmt: skip
         yield url
-    finally:
-        stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,8 @@ def _check_id(name: str, value: Any) -> str:
     return value
 
 
-@dataclass(eq=False)
+# slots: these are made and read on every call, on the engine thread.
+@dataclass(eq=False, slots=True)
 class _Attempt:
     """One admit call the engine has not answered yet."""
 
@@ -92,7 +93,7 @@ class _Attempt:
     until: float = math.inf
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Held:
     """One lease the engine issued and the client has not released."""
 
@@ -101,7 +102,7 @@ class _Held:
     ticket: str
 
 
-@dataclass
+@dataclass(slots=True)
 class _Client:
     last_seen: float
     attempts: set[str] = field(default_factory=set)
@@ -193,37 +194,56 @@ class EngineGateDriver:
         ticket: Any,
         client_id: Any,
     ) -> dict[str, Any] | Future:
-        session_id = _check_id("session_id", session_id)
-        ticket = _check_id("ticket", ticket)
-        client_id = _check_id("client_id", client_id)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
-        if not isinstance(retain_session, bool):
+        # The common case is checked inline (this runs in the engine loop); _check_id names
+        # what is wrong otherwise.
+        if not (type(session_id) is str and 0 < len(session_id) <= MAX_ID_LEN):
+            session_id = _check_id("session_id", session_id)
+        if not (type(ticket) is str and 0 < len(ticket) <= MAX_ID_LEN):
+            ticket = _check_id("ticket", ticket)
+        if not (type(client_id) is str and 0 < len(client_id) <= MAX_ID_LEN):
+            client_id = _check_id("client_id", client_id)
+        if type(max_tokens) is not int or max_tokens < 0:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+                raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
+        if type(retain_session) is not bool:
             raise TypeError(f"retain_session must be a bool, got {type(retain_session).__name__}")
-        if ticket in self._attempts or ticket in self._ticket_lease:
+        attempts = self._attempts
+        if ticket in attempts or ticket in self._ticket_lease:
             raise ValueError(f"ticket {ticket!r} is already in use; every admit needs a new one")
         prompt_tokens = self._probes.prompt_length(token_ids)
-        now = self._begin_pass()
-        client = self._seen(client_id, now)
+        self._pass += 1  # _begin_pass, inline
+        now = _now()
+        client = self._clients.get(client_id)
+        if client is None:
+            client = self._seen(client_id, now)
+        else:
+            client.last_seen = now
         attempt = self._core.begin(session_id, prompt_tokens, max_tokens, retain_session, now)
         a = _Attempt(ticket, client_id, session_id, token_ids, attempt, now)
-        self._attempts[ticket] = a
+        attempts[ticket] = a
         client.attempts.add(ticket)
         answer = self._drive(a, now)
-        self._settle(now)
+        if self._core.epoch != self._epoch:
+            self._settle(now)
         if answer is not None:
             return answer
         a.future = Future()
         return a.future
 
     def release(self, lease: Any, client_id: Any = None) -> bool:
-        if isinstance(lease, bool) or not isinstance(lease, int):
+        if type(lease) is not int and (isinstance(lease, bool) or not isinstance(lease, int)):
             raise TypeError(f"lease must be an int lease id, got {type(lease).__name__}")
-        now = self._begin_pass()
+        self._pass += 1  # _begin_pass, inline
+        now = _now()
         if client_id is not None:
-            self._seen(_check_id("client_id", client_id), now)
+            client = self._clients.get(client_id) if type(client_id) is str else None
+            if client is None:
+                self._seen(_check_id("client_id", client_id), now)
+            else:
+                client.last_seen = now
         released = self._release(lease, now, dropped=False)
-        self._settle(now)
+        if self._core.epoch != self._epoch:
+            self._settle(now)
         return released
 
     def cancel(self, ticket: Any, client_id: Any = None) -> bool:

@@ -39,6 +39,8 @@ from session_gate.engine.gate_driver import (
 
 logger = logging.getLogger("session_gate")
 
+_clock_ns = time.perf_counter_ns
+
 
 class _Probes:
     """What the driver reads from this engine, in-process: the probes' own code (``methods``)."""
@@ -102,23 +104,27 @@ def session_gate_admit(
     """Admit one turn: a dict now, or a ``Future`` of it (see the module docstring).
     ``ticket`` (unique per attempt) lets ``session_gate_cancel`` withdraw it; ``client_id``
     names the caller whose silence for ``lease_ttl_sec`` frees what it holds."""
-    started = time.perf_counter_ns()
-    driver = _driver(self)
-    answer = _checked(
-        driver.admit, session_id, token_ids, max_tokens, retain_session, ticket, client_id
-    )
-    if isinstance(answer, dict):
-        answer["engine_us"] = us = (time.perf_counter_ns() - started) / 1000.0
+    started = _clock_ns()
+    driver = self.__dict__.get(DRIVER_ATTR) or _driver(self)
+    try:  # _checked, inline: this and release run in the engine loop on every turn
+        answer = driver.admit(session_id, token_ids, max_tokens, retain_session, ticket, client_id)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{BAD_GATE_INPUT}: {exc}") from None
+    if type(answer) is dict:
+        answer["engine_us"] = us = (_clock_ns() - started) / 1000.0
         driver.loop_time("admit", us)
     return answer
 
 
 def session_gate_release(self: EngineCore, lease: Any, client_id: Any = None) -> bool:
     """Release a lease (its session keeps an idle grace window if it asked for one)."""
-    started = time.perf_counter_ns()
-    driver = _driver(self)
-    released = _checked(driver.release, lease, client_id)
-    driver.loop_time("release", (time.perf_counter_ns() - started) / 1000.0)
+    started = _clock_ns()
+    driver = self.__dict__.get(DRIVER_ATTR) or _driver(self)
+    try:
+        released = driver.release(lease, client_id)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{BAD_GATE_INPUT}: {exc}") from None
+    driver.loop_time("release", (_clock_ns() - started) / 1000.0)
     return released
 
 

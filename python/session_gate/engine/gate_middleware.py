@@ -35,7 +35,7 @@ from typing import Any
 from starlette.requests import Request
 
 from session_gate.engine.gate_routes import DEFAULT_MAX_TOKENS, long_poll_admit
-from session_gate.engine.http_routes import _STATE_ATTR, ProbeError, prompt_ids
+from session_gate.engine.http_routes import _STATE_ATTR, ProbeError, _token_ids, prompt_ids
 from session_gate.probes import pack_token_ids
 from session_gate.remote_gate import new_client_id
 
@@ -131,15 +131,16 @@ class SessionGateMiddleware:
             raise _Ungateable
         if scope["path"] == "/v1/completions":
             prompt = parsed.get("prompt")
-            if not isinstance(prompt, str) and not (
-                isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-            ):
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                ids = _token_ids(prompt)  # nothing to tokenize; checked as prompt_ids would
+            elif isinstance(prompt, str):
+                fields = {k: v for k, v in parsed.items() if k not in ("messages", "token_ids")}
+                ids = await prompt_ids(routes, fields, Request(scope))
+            else:
                 raise _Ungateable  # a batch of prompts: several sessions' worth, not one turn
-            fields = {k: v for k, v in parsed.items() if k != "messages"}
         else:
-            fields = {k: v for k, v in parsed.items() if k != "prompt"}
-        fields.pop("token_ids", None)
-        ids = await prompt_ids(routes, fields, Request(scope))
+            fields = {k: v for k, v in parsed.items() if k not in ("prompt", "token_ids")}
+            ids = await prompt_ids(routes, fields, Request(scope))
         max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             max_tokens = DEFAULT_MAX_TOKENS
