@@ -9,7 +9,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use super::guard::{no_panic, no_panic_then};
 use super::residency::{BlockWitness, HashSlot, KeyBuf, MapResidency};
-use super::tokens::{TokenLimits, read_prompt};
+use super::tokens::{TokenLimits, check_length, check_vocab, read_prompt};
 use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
 use crate::prefix::ChainCache;
 
@@ -138,7 +138,11 @@ impl ProbeEngine {
         session_id: Option<&str>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<ProbeTuple> {
-        let tokens = read_prompt(token_ids, Some(self.limits))?;
+        // The vocabulary check (a pass over every id) runs inside the walk, over the ids the
+        // session's chain does not already hold: they were checked when it stored them.
+        let tokens = read_prompt(token_ids, None)?;
+        check_length(&tokens, self.limits)?;
+        let limits = self.limits;
         if self
             .witness_map
             .as_ref()
@@ -153,16 +157,19 @@ impl ProbeEngine {
             map: cached_map.as_any(),
             keys: &mut self.keys,
             group_suffix: self.group_suffix,
-            slot: self.hash_slot.as_ref(),
+            // Witnesses are only kept for sessions: taking one costs two reference counts
+            // (two more cache lines written) per hit, for nothing on a one-off probe.
+            slot: self.hash_slot.as_ref().filter(|_| session_id.is_some()),
             error: None,
         };
-        let walk = self.chains.walk(
+        let walk = self.chains.walk_checked(
             session_id,
             &tokens,
             self.block_size,
             &mut self.hasher,
             &mut residency,
-        );
+            |tail, offset| check_vocab(tail, offset, limits),
+        )?;
         if let Some(err) = residency.error {
             return Err(err);
         }
