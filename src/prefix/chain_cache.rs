@@ -155,7 +155,10 @@ impl<W> ChainCache<W> {
         }
 
         let before = entry.chain.heap_bytes();
-        let result = match entry.chain.walk_checked(tokens, block_size, hasher, res, check) {
+        let result = match entry
+            .chain
+            .walk_checked(tokens, block_size, hasher, res, check)
+        {
             Ok(result) => result,
             Err(err) => {
                 if entry.chain.len() == 0 {
@@ -322,6 +325,46 @@ mod tests {
             true
         });
         assert_eq!(cache.session_hashes("b").unwrap().len(), 3);
+    }
+
+    #[test]
+    fn the_check_sees_only_what_the_chain_does_not_hold() {
+        let mut cache: ChainCache = ChainCache::new(1 << 20);
+        let mut h = hasher();
+        let all = &mut |_: &BlockHash| true;
+        let mut tokens: Vec<u32> = (0..100).collect();
+        let mut seen = Vec::new();
+        let mut record = |tail: &[u32], at: usize| {
+            seen.push((at, tail.len()));
+            Ok::<(), ()>(())
+        };
+        cache
+            .walk_checked(Some("s"), &tokens, 16, &mut h, all, &mut record)
+            .unwrap();
+        tokens.extend(100..140);
+        cache
+            .walk_checked(Some("s"), &tokens, 16, &mut h, all, &mut record)
+            .unwrap();
+        // One-off probes check everything.
+        cache
+            .walk_checked(None, &tokens, 16, &mut h, all, &mut record)
+            .unwrap();
+        assert_eq!(seen, [(0, 100), (96, 44), (0, 140)]);
+
+        // A refused prompt changes nothing; a new session refused is not kept.
+        let before = cache.session_hashes("s");
+        tokens[20] = 7;
+        let refuse = |_: &[u32], at: usize| Err(at);
+        assert_eq!(
+            cache.walk_checked(Some("s"), &tokens, 16, &mut h, all, refuse),
+            Err(16)
+        );
+        assert_eq!(cache.session_hashes("s"), before);
+        assert_eq!(
+            cache.walk_checked(Some("t"), &tokens, 16, &mut h, all, refuse),
+            Err(0)
+        );
+        assert!(!cache.contains("t") && cache.len() == 1);
     }
 
     #[test]

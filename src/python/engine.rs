@@ -237,6 +237,32 @@ fn hash_blocks<'py>(
     })
 }
 
+/// The hash of the last full block of `token_ids` (vLLM's chained block hashes, computed like
+/// [`hash_blocks`] but keeping only the tip): the hashing a full probe must do, without building
+/// a bytes object per block. `make bench-probe` times it as the hashing floor of a probe.
+#[pyfunction]
+#[pyo3(signature = (hash_algo, none_hash, token_ids, block_size))]
+fn hash_chain_tip<'py>(
+    py: Python<'py>,
+    hash_algo: &str,
+    none_hash: &[u8],
+    token_ids: &Bound<'py, PyAny>,
+    block_size: usize,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    no_panic("hash_chain_tip", || {
+        if block_size == 0 {
+            return Err(crate::Error::InvalidInput("block_size must be positive".into()).into());
+        }
+        let mut hasher = BlockHasher::new(HashAlgo::from_name(hash_algo)?, none_hash)?;
+        let tokens = read_prompt(token_ids, None)?;
+        let mut tip: Option<BlockHash> = None;
+        for block in tokens.chunks_exact(block_size) {
+            tip = Some(hasher.hash_block(tip.as_ref(), block));
+        }
+        Ok(tip.map(|h| PyBytes::new(py, h.as_bytes())))
+    })
+}
+
 /// Validates a prompt exactly as the native probe does and returns it as a list of ints
 /// (used by the Python fallback path so both paths refuse the same prompts).
 #[pyfunction]
@@ -278,5 +304,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_prompt, m)?)?;
     m.add_function(wrap_pyfunction!(prompt_length, m)?)?;
     m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_chain_tip, m)?)?;
     Ok(())
 }
