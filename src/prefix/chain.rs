@@ -247,21 +247,15 @@ impl<W> Chain<W> {
 
         // The rest is not the chain's (the shared prefix ends here): drop the chain's tail from
         // here on and hash the prompt's blocks. Block i's parent is the chain's block i - 1.
-        // Each block is hashed one block ahead of its lookup: the SHA-256 chain and the map
-        // lookup are independent work, so the CPU overlaps one with the other. A miss may thus
-        // leave one hashed block beyond it in the chain; it is this prompt's block all the same.
         if !missed && hits < lookups {
             self.truncate(hits, stride, block_size);
         }
         while !missed && hits < lookups {
-            while self.len < lookups.min(hits + 2) {
-                let i = self.len;
-                let block = &tokens[i * block_size..(i + 1) * block_size];
-                let parent = i.checked_sub(1).map(|p| self.hash(p, stride));
-                let hash = hasher.hash_block(parent.as_ref(), block);
-                self.push(&hash, block);
-                hashed += 1;
-            }
+            let block = &tokens[hits * block_size..(hits + 1) * block_size];
+            let parent = hits.checked_sub(1).map(|p| self.hash(p, stride));
+            let hash = hasher.hash_block(parent.as_ref(), block);
+            self.push(&hash, block);
+            hashed += 1;
             missed = !self.look_up(hits, stride, res);
             hits += usize::from(!missed);
         }
