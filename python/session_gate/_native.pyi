@@ -30,6 +30,7 @@ __all__ = [
     "count_cached_free_blocks",
     "hash_block",
     "hash_blocks",
+    "hash_chain_tip",
     "sim_profile_names",
     "sim_profile_step_times",
     "sim_step_features",
@@ -95,6 +96,12 @@ def hash_blocks(
     hash_algo: str, none_hash: bytes, token_ids: _TokenIds, block_size: int
 ) -> list[bytes]:
     """The chained hashes of every full block of ``token_ids``."""
+
+def hash_chain_tip(
+    hash_algo: str, none_hash: bytes, token_ids: _TokenIds, block_size: int
+) -> bytes | None:
+    """The hash of the last full block of ``token_ids`` (``None`` if there is none): the
+    hashing a full probe does, without a bytes object per block."""
 
 def validate_prompt(token_ids: _TokenIds, vocab_size: int, max_model_len: int) -> list[int]:
     """The prompt as a list of ints, validated exactly as the native probe validates it."""

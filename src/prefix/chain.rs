@@ -118,10 +118,15 @@ impl<W> Chain<W> {
         }
     }
 
-    /// Starts pulling the hashes of the first `blocks` blocks into cache (whole segments).
-    fn prefetch_hashes(&self, blocks: usize) {
-        for segment in self.segments.iter().take(blocks.div_ceil(SEGMENT_BLOCKS)) {
-            prefetch(&segment.hashes);
+    /// Starts pulling the hashes of blocks `from..to` into cache.
+    fn prefetch_hashes(&self, from: usize, to: usize, stride: usize) {
+        let mut i = from;
+        while i < to {
+            let segment = &self.segments[i / SEGMENT_BLOCKS];
+            let at = i % SEGMENT_BLOCKS;
+            let n = (to - i).min(SEGMENT_BLOCKS - at);
+            prefetch(&segment.hashes[at * stride..(at + n) * stride]);
+            i += n;
         }
     }
 
@@ -178,6 +183,7 @@ impl<W> Chain<W> {
     /// Afterwards the chain holds this prompt's blocks if any had to be hashed (a block that
     /// differs drops the chain from there on); otherwise its hashes are left as they were.
     /// Witnesses are refreshed by every lookup.
+    #[cfg(test)]
     pub(super) fn walk<R: Residency<Witness = W>>(
         &mut self,
         tokens: &[u32],
@@ -185,24 +191,50 @@ impl<W> Chain<W> {
         hasher: &mut BlockHasher,
         res: &mut R,
     ) -> WalkResult {
+        let unchecked = |_: &[u32], _: usize| Ok::<(), std::convert::Infallible>(());
+        match self.walk_checked(tokens, block_size, hasher, res, unchecked) {
+            Ok(result) => result,
+            Err(never) => match never {},
+        }
+    }
+
+    /// [`Chain::walk`], after `check` accepted the tokens the chain does not already hold:
+    /// `check(tail, offset)` gets `tokens[offset..]`, where `tokens[..offset]` equals tokens this
+    /// chain stored, which passed the same check when they were stored (all of a chain's walks
+    /// use one check). A 32K-token prompt grown by one turn is then validated over its new
+    /// tokens only, instead of a second pass over all of them. If `check` fails, the chain is
+    /// left as it was.
+    pub(super) fn walk_checked<R: Residency<Witness = W>, E>(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        hasher: &mut BlockHasher,
+        res: &mut R,
+        check: impl FnOnce(&[u32], usize) -> Result<(), E>,
+    ) -> Result<WalkResult, E> {
         let stride = hasher.algo().digest_len();
         let lookups = max_hit_blocks(tokens.len(), block_size);
-        // The chain is usually cold (other sessions were probed since): start loading its
-        // hashes now, so that happens while the comparison below reads the prompt.
-        self.prefetch_hashes(lookups.min(self.len));
         let vouched = self.shared_prefix(tokens, block_size, lookups);
+        check(&tokens[vouched * block_size..], vouched * block_size)?;
 
         // Blocks the prompt shares with the chain: re-check the witnesses a segment at a time;
-        // a block whose witness no longer holds is looked up by its stored hash.
+        // a block whose witness no longer holds is looked up by its stored hash. The hashes
+        // are only read for those lookups: they are prefetched a segment ahead once lookups
+        // start, not up front (with witnesses holding, that was 64 KB read for nothing).
         let mut hits = 0;
         let mut rechecked = 0;
         let mut missed = false;
+        let mut prefetched = 0;
         while hits < vouched {
             let end = vouched.min((hits / SEGMENT_BLOCKS + 1) * SEGMENT_BLOCKS);
             let proven = res.still_resident(self.witness_run(hits, end));
             hits += proven;
             rechecked += proven;
             if hits < end {
+                if prefetched <= hits {
+                    prefetched = (end + SEGMENT_BLOCKS).min(vouched);
+                    self.prefetch_hashes(hits, prefetched, stride);
+                }
                 if !self.look_up(hits, stride, res) {
                     missed = true;
                     break;
@@ -228,14 +260,14 @@ impl<W> Chain<W> {
             hits += usize::from(!missed);
         }
 
-        WalkResult {
+        Ok(WalkResult {
             hit_blocks: hits,
             hit_tokens: hits * block_size,
             prompt_tokens: tokens.len(),
             blocks_hashed: hashed,
             blocks_reused: reused,
             blocks_rechecked: rechecked,
-        }
+        })
     }
 
     /// How many leading blocks (at most `lookups`) `tokens` shares with the chain, compared

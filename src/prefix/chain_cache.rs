@@ -1,5 +1,6 @@
 //! `ChainCache`: per-session hash chains under a byte budget, least recently used out first.
 use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
 
 use super::chain::{Chain, walk_uncached};
 use super::{NoWitness, Residency, WalkResult, max_hit_blocks};
@@ -89,10 +90,33 @@ impl<W> ChainCache<W> {
         hasher: &mut BlockHasher,
         res: &mut R,
     ) -> WalkResult {
+        let unchecked = |_: &[u32], _: usize| Ok::<(), Infallible>(());
+        match self.walk_checked(session, tokens, block_size, hasher, res, unchecked) {
+            Ok(result) => result,
+            Err(never) => match never {},
+        }
+    }
+
+    /// [`ChainCache::walk`] for a prompt that must pass `check` first. `check(tail, offset)`
+    /// gets `tokens[offset..]`: the tokens before `offset` equal tokens the session's chain
+    /// already holds, which passed `check` when they were stored, so a prompt grown by one turn
+    /// is checked over its new tokens only. That holds only if every walk of this cache uses
+    /// the same check (a plain [`ChainCache::walk`] stores tokens unchecked). On `Err`, nothing
+    /// was looked up, hashed or cached.
+    pub fn walk_checked<R: Residency<Witness = W>, E>(
+        &mut self,
+        session: Option<&str>,
+        tokens: &[u32],
+        block_size: usize,
+        hasher: &mut BlockHasher,
+        res: &mut R,
+        check: impl FnOnce(&[u32], usize) -> Result<(), E>,
+    ) -> Result<WalkResult, E> {
         let lookups = max_hit_blocks(tokens.len(), block_size);
         // A prompt with no full block before its last token has nothing to cache.
         let Some(id) = session.filter(|_| lookups > 0) else {
-            return walk_uncached(tokens, block_size, hasher, res);
+            check(tokens, 0)?;
+            return Ok(walk_uncached(tokens, block_size, hasher, res));
         };
         self.configure(ChainConfig {
             algo: hasher.algo(),
@@ -131,12 +155,24 @@ impl<W> ChainCache<W> {
         }
 
         let before = entry.chain.heap_bytes();
-        let result = entry.chain.walk(tokens, block_size, hasher, res);
+        let result = match entry
+            .chain
+            .walk_checked(tokens, block_size, hasher, res, check)
+        {
+            Ok(result) => result,
+            Err(err) => {
+                if entry.chain.len() == 0 {
+                    // A session first seen with a prompt that failed the check: keep nothing.
+                    self.forget(id);
+                }
+                return Err(err);
+            }
+        };
         self.bytes = self.bytes - before + entry.chain.heap_bytes();
         if self.bytes > self.budget_bytes {
             self.enforce_budget(id, result.blocks_hashed > 0);
         }
-        result
+        Ok(result)
     }
 
     /// Drops `session`'s chain; returns whether it was cached.
@@ -289,6 +325,46 @@ mod tests {
             true
         });
         assert_eq!(cache.session_hashes("b").unwrap().len(), 3);
+    }
+
+    #[test]
+    fn the_check_sees_only_what_the_chain_does_not_hold() {
+        let mut cache: ChainCache = ChainCache::new(1 << 20);
+        let mut h = hasher();
+        let all = &mut |_: &BlockHash| true;
+        let mut tokens: Vec<u32> = (0..100).collect();
+        let mut seen = Vec::new();
+        let mut record = |tail: &[u32], at: usize| {
+            seen.push((at, tail.len()));
+            Ok::<(), ()>(())
+        };
+        cache
+            .walk_checked(Some("s"), &tokens, 16, &mut h, all, &mut record)
+            .unwrap();
+        tokens.extend(100..140);
+        cache
+            .walk_checked(Some("s"), &tokens, 16, &mut h, all, &mut record)
+            .unwrap();
+        // One-off probes check everything.
+        cache
+            .walk_checked(None, &tokens, 16, &mut h, all, &mut record)
+            .unwrap();
+        assert_eq!(seen, [(0, 100), (96, 44), (0, 140)]);
+
+        // A refused prompt changes nothing; a new session refused is not kept.
+        let before = cache.session_hashes("s");
+        tokens[20] = 7;
+        let refuse = |_: &[u32], at: usize| Err(at);
+        assert_eq!(
+            cache.walk_checked(Some("s"), &tokens, 16, &mut h, all, refuse),
+            Err(16)
+        );
+        assert_eq!(cache.session_hashes("s"), before);
+        assert_eq!(
+            cache.walk_checked(Some("t"), &tokens, 16, &mut h, all, refuse),
+            Err(0)
+        );
+        assert!(!cache.contains("t") && cache.len() == 1);
     }
 
     #[test]

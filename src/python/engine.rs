@@ -9,7 +9,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use super::guard::{no_panic, no_panic_then};
 use super::residency::{BlockWitness, HashSlot, KeyBuf, MapResidency};
-use super::tokens::{TokenLimits, read_prompt};
+use super::tokens::{TokenLimits, check_length, check_vocab, read_prompt};
 use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
 use crate::prefix::ChainCache;
 
@@ -138,7 +138,11 @@ impl ProbeEngine {
         session_id: Option<&str>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<ProbeTuple> {
-        let tokens = read_prompt(token_ids, Some(self.limits))?;
+        // The vocabulary check (a pass over every id) runs inside the walk, over the ids the
+        // session's chain does not already hold: they were checked when it stored them.
+        let tokens = read_prompt(token_ids, None)?;
+        check_length(&tokens, self.limits)?;
+        let limits = self.limits;
         if self
             .witness_map
             .as_ref()
@@ -153,16 +157,19 @@ impl ProbeEngine {
             map: cached_map.as_any(),
             keys: &mut self.keys,
             group_suffix: self.group_suffix,
-            slot: self.hash_slot.as_ref(),
+            // Witnesses are only kept for sessions: taking one costs two reference counts
+            // (two more cache lines written) per hit, for nothing on a one-off probe.
+            slot: self.hash_slot.as_ref().filter(|_| session_id.is_some()),
             error: None,
         };
-        let walk = self.chains.walk(
+        let walk = self.chains.walk_checked(
             session_id,
             &tokens,
             self.block_size,
             &mut self.hasher,
             &mut residency,
-        );
+            |tail, offset| check_vocab(tail, offset, limits),
+        )?;
         if let Some(err) = residency.error {
             return Err(err);
         }
@@ -230,6 +237,32 @@ fn hash_blocks<'py>(
     })
 }
 
+/// The hash of the last full block of `token_ids` (vLLM's chained block hashes, computed like
+/// [`hash_blocks`] but keeping only the tip): the hashing a full probe must do, without building
+/// a bytes object per block. `make bench-probe` times it as the hashing floor of a probe.
+#[pyfunction]
+#[pyo3(signature = (hash_algo, none_hash, token_ids, block_size))]
+fn hash_chain_tip<'py>(
+    py: Python<'py>,
+    hash_algo: &str,
+    none_hash: &[u8],
+    token_ids: &Bound<'py, PyAny>,
+    block_size: usize,
+) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    no_panic("hash_chain_tip", || {
+        if block_size == 0 {
+            return Err(crate::Error::InvalidInput("block_size must be positive".into()).into());
+        }
+        let mut hasher = BlockHasher::new(HashAlgo::from_name(hash_algo)?, none_hash)?;
+        let tokens = read_prompt(token_ids, None)?;
+        let mut tip: Option<BlockHash> = None;
+        for block in tokens.chunks_exact(block_size) {
+            tip = Some(hasher.hash_block(tip.as_ref(), block));
+        }
+        Ok(tip.map(|h| PyBytes::new(py, h.as_bytes())))
+    })
+}
+
 /// Validates a prompt exactly as the native probe does and returns it as a list of ints
 /// (used by the Python fallback path so both paths refuse the same prompts).
 #[pyfunction]
@@ -271,5 +304,6 @@ pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate_prompt, m)?)?;
     m.add_function(wrap_pyfunction!(prompt_length, m)?)?;
     m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_chain_tip, m)?)?;
     Ok(())
 }

@@ -45,6 +45,12 @@ pub(crate) fn read_prompt<'a>(
 }
 
 fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
+    check_length(tokens, limits)?;
+    check_vocab(tokens, 0, limits)
+}
+
+/// The O(1) half of the limits: non-empty, and no longer than `max_model_len`.
+pub(crate) fn check_length(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
     if tokens.is_empty() {
         return Err(Error::InvalidInput("token_ids is empty".into()));
     }
@@ -55,6 +61,12 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
             limits.max_model_len
         )));
     }
+    Ok(())
+}
+
+/// Every id of `tokens` is inside the vocabulary; `tokens` starts at index `offset` of the
+/// prompt (errors name the prompt's index).
+pub(crate) fn check_vocab(tokens: &[u32], offset: usize, limits: TokenLimits) -> Result<(), Error> {
     // A branch-free pass first (the largest id, vectorised); the position is only searched for
     // when there is something to report.
     if u64::from(max_token(tokens)) < limits.vocab_size {
@@ -66,7 +78,8 @@ fn check_limits(tokens: &[u32], limits: TokenLimits) -> Result<(), Error> {
         .find(|&(_, &t)| u64::from(t) >= limits.vocab_size)
     {
         return Err(Error::InvalidInput(format!(
-            "token id {t} at index {i} is outside the vocabulary (size {})",
+            "token id {t} at index {} is outside the vocabulary (size {})",
+            offset + i,
             limits.vocab_size
         )));
     }

@@ -62,6 +62,8 @@ def test_chained_hashes_match_vllms_request_hasher(algo):
         parent = expected(parent, tokens[start : start + 16])
         want.append(parent)
     assert _native.hash_blocks(algo, none_hash, tokens, 16) == want
+    assert _native.hash_chain_tip(algo, none_hash, tokens, 16) == want[-1]
+    assert _native.hash_chain_tip(algo, none_hash, tokens[:15], 16) is None
 
 
 def test_bad_arguments_are_named():

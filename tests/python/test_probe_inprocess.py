@@ -78,6 +78,33 @@ def test_an_incremental_probe_after_an_eviction_reports_the_eviction(cache):
     assert answer["blocks_rechecked"] <= answer["hit_blocks"]
 
 
+def test_a_grown_prompt_is_validated_where_it_differs_from_the_remembered_one(cache):
+    """Ids the session's chain already holds were checked when stored; every other id is still
+    checked, and a refused prompt leaves the remembered chain as it was."""
+    driver, state = cache
+    prompt = random_prompt(random.Random(10), 12 * BLOCK + 1)
+    driver.run(prompt)
+    assert state.probe_answer("s", prompt)["hit_tokens"] == 12 * BLOCK
+    grown = prompt + [4096] + random_prompt(random.Random(11), BLOCK)
+    with pytest.raises(ValueError, match=f"token id 4096 at index {len(prompt)} is outside"):
+        state.probe_answer("s", grown)
+    # An out-of-vocabulary id inside the remembered prefix differs from the stored one there.
+    inside = prompt[:40] + [5000] + prompt[41:]
+    with pytest.raises(ValueError, match="token id 5000 at index 40 is outside"):
+        state.probe_answer("s", inside)
+    again = state.probe_answer("s", prompt)
+    assert (again["hit_tokens"], again["blocks_rechecked"], again["blocks_hashed"]) == (
+        12 * BLOCK,
+        12,
+        0,
+    )
+    # A session first seen with a refused prompt is not remembered.
+    sessions = state.native.chain_cache_sessions
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        state.probe_answer("new", [4096] * (3 * BLOCK))
+    assert state.native.chain_cache_sessions == sessions
+
+
 def test_random_traffic_never_fools_a_witness(cache):
     """Many sessions growing and diverging on a small cache, every probe checked against vLLM."""
     driver, state = cache
