@@ -7,10 +7,10 @@
 //! request). Every request reaches vLLM at most once: only a request whose connection to its
 //! replica could not be opened (nothing was sent) goes to another healthy replica, its session
 //! re-pinned there. Upstream calls have a connect, a response and an idle timeout (flags).
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes, HttpBody};
@@ -161,24 +161,25 @@ enum Attempt {
     NotSent(String),
 }
 
-/// The request body, or the proxy's JSON error when it could not be read (too large: 413).
-fn read_body(proxy: &Proxy, body: Result<Bytes, BytesRejection>) -> Result<Bytes, Response> {
-    body.map_err(|rejection| {
-        let status = rejection.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!(
-                "the request body is larger than this proxy's limit of {} bytes \
+/// The proxy's JSON error for a body that could not be read (too large: 413).
+fn body_rejected(proxy: &Proxy, rejection: BytesRejection) -> Response {
+    let status = rejection.status();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!(
+            "the request body is larger than this proxy's limit of {} bytes \
                  (--max-body-bytes)",
-                proxy.config.max_body_bytes
-            )
-        } else {
-            format!("the request body could not be read: {}", rejection.body_text())
-        };
-        proxy
-            .metrics
-            .request("none", "body", status.as_u16(), Outcome::Rejected, 0, 0.0);
-        error(status, "BadRequestError", message)
-    })
+            proxy.config.max_body_bytes
+        )
+    } else {
+        format!(
+            "the request body could not be read: {}",
+            rejection.body_text()
+        )
+    };
+    proxy
+        .metrics
+        .request("none", "body", status.as_u16(), Outcome::Rejected, 0, 0.0);
+    error(status, "BadRequestError", message)
 }
 
 /// `Some(401)` when the proxy has an `--api-key` and `headers` do not carry it as a bearer
@@ -218,9 +219,9 @@ async fn handle(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
-    let body = match read_body(&proxy, body) {
+    let body = match body {
         Ok(b) => b,
-        Err(response) => return response,
+        Err(rejection) => return body_rejected(&proxy, rejection),
     };
     let kind = match (&method, rest.as_str()) {
         (&Method::POST, "completions") => Kind::Completions,
@@ -569,9 +570,13 @@ async fn prompt_ids(
     if let Some(auth) = &proxy.config.replica_authorization {
         req = req.header(hyper::header::AUTHORIZATION, auth);
     }
-    let req = req
-        .body(Full::new(Bytes::from(bytes)))
-        .map_err(|e| done(error(StatusCode::BAD_GATEWAY, "BadGatewayError", e.to_string())))?;
+    let req = req.body(Full::new(Bytes::from(bytes))).map_err(|e| {
+        done(error(
+            StatusCode::BAD_GATEWAY,
+            "BadGatewayError",
+            e.to_string(),
+        ))
+    })?;
     let upstream_error = |e: &dyn std::fmt::Display| {
         done(error(
             StatusCode::BAD_GATEWAY,
@@ -584,7 +589,12 @@ async fn prompt_ids(
         Ok(Ok(resp)) => resp,
         Ok(Err(e)) if never_sent(&e) => return Err(Attempt::NotSent(format!("{uri}: {e}"))),
         Ok(Err(e)) => return Err(upstream_error(&e)),
-        Err(_) => return Err(done(gateway_timeout(&uri, proxy.config.response_timeout_sec))),
+        Err(_) => {
+            return Err(done(gateway_timeout(
+                &uri,
+                proxy.config.response_timeout_sec,
+            )));
+        }
     };
     let status = resp.status();
     let bytes = resp

