@@ -140,8 +140,8 @@ class Sessions:
             if role == "abandon" and t == abandon_at:
                 self.tally.sessions_abandoned += 1
                 return
-            stream = (i + t) % 2 == 0
             drop = role == "disconnect" and t == w.turns // 2
+            stream = drop or (i + t) % 2 == 0
             burst = w.storm_size if role == "storm" and t == 1 else 1
 
             label = f"{sid} turn {t}"
