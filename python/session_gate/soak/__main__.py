@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=float, default=0.3, help="share of turns ended at the kill")
     p.add_argument("--down-sec", type=float, default=10.0, help="seconds before the restart")
     p.add_argument("--gate-at", choices=["proxy", "engine"], default="proxy")
-    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per replica")
+    p.add_argument("--num-blocks", type=int, default=128, help="KV blocks per replica")
     p.add_argument("--debug-proxy", action="store_true", help="debug build of the proxy")
     p.add_argument("--traffic-timeout-sec", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)

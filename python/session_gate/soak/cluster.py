@@ -27,9 +27,10 @@ ROOT = Path(__file__).resolve().parents[3]
 class Engines:
     """Engine shape: small enough that two replicas and the proxy fit beside other work."""
 
-    num_blocks: int = 256
-    block_size: int = 16
-    max_model_len: int = 2048
+    #: vLLM keeps one block back (the null block): the rest must hold ``max_model_len``.
+    num_blocks: int = 128
+    block_size: int = 32
+    max_model_len: int = 1024
     max_num_seqs: int = 16
     timeout: float = 900
     #: Added to each engine's environment (the engine gate's ``SESSION_GATE_*`` knobs).

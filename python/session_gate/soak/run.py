@@ -161,6 +161,9 @@ async def run(cfg: SoakConfig) -> dict:
         # Kill replica 1 part-way through.
         limit = cfg.traffic_timeout_sec
         await _until(lambda: ended_share() >= cfg.kill_at or traffic.done(), limit)
+        # Not while the bad input still goes to both replicas (a refused connection there would
+        # be the kill's doing, not an answer to bad input).
+        bad_early_report = await bad_early
         engine = cfg.gate_at == "engine"
         gate_at_kill = _gate_state(cluster, engine)
         in_flight = gate_at_kill["per_replica"][cluster.urls[1]].get("leases_active") or 0
@@ -199,7 +202,6 @@ async def run(cfg: SoakConfig) -> dict:
         )
         restarted_at = time.monotonic() - t0
         _log(f"replica 1 serves again (proxy sees it healthy: {healthy_again})")
-        bad_early_report = await bad_early
         bad_late_report = await send_bad_input(cluster.proxy_url, cluster.urls, oversize)
         fresh = await _fresh_sessions(cluster, 6)
         serving = await _engines_serving(cluster)

@@ -86,12 +86,13 @@ class Workload:
     seed: int = 0
 
     def role(self, i: int) -> str:
+        """Storms first, then disconnects and abandons spread evenly over the rest."""
         if i < self.storm_sessions:
             return "storm"
-        r = random.Random(self.seed * 7919 + i).random()
-        if r < self.disconnect_share:
+        x = ((i - self.storm_sessions) * 0.618034) % 1.0  # golden-ratio spread
+        if x < self.disconnect_share:
             return "disconnect"
-        if r < self.disconnect_share + self.abandon_share:
+        if x < self.disconnect_share + self.abandon_share:
             return "abandon"
         return "normal"
 
