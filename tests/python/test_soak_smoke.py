@@ -15,10 +15,10 @@ from session_gate.soak.sessions import Workload
 
 def test_soak_smoke():
     cfg = SoakConfig(
-        workload=Workload(sessions=24, turns=4, storm_size=4, ramp_sec=2, think_sec=0.2),
+        workload=Workload(sessions=24, turns=8, storm_size=4, ramp_sec=2, think_sec=1.5),
         engines=Engines(num_blocks=64),
         idle_grace_sec=4,
-        kill_at=0.3,
+        kill_at=0.4,
         down_sec=2,
         release=False,
         traffic_timeout_sec=600,

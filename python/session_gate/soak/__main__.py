@@ -15,8 +15,8 @@ from session_gate.soak.sessions import Workload
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m session_gate.soak", description=__doc__)
-    p.add_argument("--sessions", type=int, default=240, help="concurrent sessions")
-    p.add_argument("--turns", type=int, default=5, help="turns per session")
+    p.add_argument("--sessions", type=int, default=300, help="concurrent sessions")
+    p.add_argument("--turns", type=int, default=6, help="turns per session")
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn")
     p.add_argument("--storm-size", type=int, default=8, help="requests in a retry storm")
     p.add_argument("--idle-grace-sec", type=float, default=10.0)

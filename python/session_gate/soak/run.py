@@ -81,11 +81,15 @@ async def _fresh_sessions(cluster: Cluster, n: int) -> dict[str, int]:
     before = [metric(get_text(f"{u}/metrics"), "vllm:request_success_total") for u in cluster.urls]
     statuses: dict[str, int] = {}
     async with httpx.AsyncClient(timeout=120) as http:
-        for k in range(n):
+
+        async def one(k: int) -> None:
             body = {"model": "tiny", "prompt": word_ids(5000 + 50 * k, 24), "max_tokens": 2}
             r = await http.post(f"{cluster.proxy_url}/sess/post-{k}/v1/completions", json=body)
             statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
             await http.post(f"{cluster.proxy_url}/sess/post-{k}/finish")
+
+        # Concurrently: the emptier replica (the restarted one) takes its share.
+        await asyncio.gather(*(one(k) for k in range(n)))
     after = [metric(get_text(f"{u}/metrics"), "vllm:request_success_total") for u in cluster.urls]
     return {
         "statuses": statuses,
@@ -231,6 +235,8 @@ async def run(cfg: SoakConfig) -> dict:
         "no_other_5xx": not other_5xx,
         "rss_end_within_10pct_of_middle": rss["end"] <= 1.10 * rss["middle"],
         "fresh_sessions_ok": fresh["statuses"] == {"200": sum(fresh["statuses"].values())},
+        "restarted_replica_takes_sessions": fresh["served_by_replica"][1] > 0,
+        "killed_during_traffic": killed_at < traffic_sec,
     }
     return {
         "ok": all(targets.values()),
