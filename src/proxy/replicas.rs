@@ -42,6 +42,7 @@ impl Replica {
     /// check that passes marks it healthy again.
     pub fn mark_unhealthy(&self, why: &str) {
         if self.healthy.swap(false, Ordering::Relaxed) {
+            self.probe.forget_usage();
             eprintln!(
                 "session-gate proxy: replica {} is unhealthy ({why})",
                 self.url.base
@@ -231,6 +232,8 @@ pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Dura
             let ok = check(&client, r).await;
             let was = r.healthy.swap(ok, Ordering::Relaxed);
             if was != ok {
+                // Its old usage answer would steer new sessions away from (or towards) it.
+                r.probe.forget_usage();
                 eprintln!(
                     "session-gate proxy: replica {} is {}",
                     r.url.base,
