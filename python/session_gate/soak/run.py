@@ -83,12 +83,15 @@ async def _fresh_sessions(cluster: Cluster, n: int) -> dict[str, int]:
     async with httpx.AsyncClient(timeout=120) as http:
 
         async def one(k: int) -> None:
-            body = {"model": "tiny", "prompt": word_ids(5000 + 50 * k, 24), "max_tokens": 2}
+            # Staggered and long enough that earlier ones still hold their reservation when
+            # later ones are placed: on a tie the first replica wins.
+            await asyncio.sleep(0.1 * k)
+            body = {"model": "tiny", "prompt": word_ids(5000 + 50 * k, 24), "max_tokens": 32}
             r = await http.post(f"{cluster.proxy_url}/sess/post-{k}/v1/completions", json=body)
             statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
             await http.post(f"{cluster.proxy_url}/sess/post-{k}/finish")
 
-        # Concurrently: the emptier replica (the restarted one) takes its share.
+        # Overlapping: the emptier replica (the restarted one) takes its share.
         await asyncio.gather(*(one(k) for k in range(n)))
     after = [metric(get_text(f"{u}/metrics"), "vllm:request_success_total") for u in cluster.urls]
     return {
