@@ -179,7 +179,14 @@ fn body_rejected(proxy: &Proxy, rejection: BytesRejection) -> Response {
     proxy
         .metrics
         .request("none", "body", status.as_u16(), Outcome::Rejected, 0, 0.0);
-    error(status, "BadRequestError", message)
+    let mut response = error(status, "BadRequestError", message);
+    // The unread rest of the body makes the connection unusable: hyper closes it after this
+    // answer, and a client must not pick it from its pool for the next request.
+    response.headers_mut().insert(
+        axum::http::header::CONNECTION,
+        HeaderValue::from_static("close"),
+    );
+    response
 }
 
 /// `Some(401)` when the proxy has an `--api-key` and `headers` do not carry it as a bearer
