@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
-	bench-clients bench-engine-gate sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
+	bench-clients bench-engine-gate soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
@@ -117,6 +117,13 @@ bench-clients: setup
 # time of admit + release beside the usage probe's in the same run. The last line is JSON.
 bench-engine-gate: setup
 	$(PY) -m session_gate.bench.clients --modes ""
+
+# Reliability under load and faults (a few minutes, loopback only): two CPU vllm serve replicas
+# with the plugin, the proxy in front, a few hundred openai-client sessions; one replica killed
+# and restarted, dropped streams, abandoned sessions, retry storms, bad input to every route.
+# Turns sent/completed/failed/lost, leases and reservations left, proxy RSS; last line JSON.
+soak: setup
+	$(PY) -m session_gate.soak
 
 # The one wheel (plugin, gate, proxy, twin CLI) for this venv's CPython, in dist/: prints its
 # size, tags, entry points and contents.

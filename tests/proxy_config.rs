@@ -114,3 +114,44 @@ fn gate_at_chooses_the_proxys_gate_or_the_engines() {
     assert_eq!(e.field, "gate_at");
     assert!(e.message.contains("\"replica\""), "{}", e.message);
 }
+
+#[test]
+fn timeouts_and_keys_have_defaults_and_are_checked() {
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "").unwrap();
+    assert_eq!(c.connect_timeout_sec, 5.0);
+    // Long enough for a 128K-token prompt's prefill and a long generation.
+    assert!(c.response_timeout_sec >= 600.0);
+    assert!(c.idle_timeout_sec >= 300.0);
+    assert_eq!(c.max_body_bytes, 64 << 20);
+    assert_eq!(c.api_key, None);
+    assert_eq!(c.replica_authorization, None);
+
+    let mut a = args(&["http://a:1"]);
+    a.api_key = Some("p".into());
+    a.replica_api_key = Some("k".into());
+    a.idle_timeout_sec = Some(30.0);
+    let toml = "connect_timeout_sec = 0.5\nresponse_timeout_sec = 60\n";
+    let c = ProxyConfig::from_toml(&a, toml).unwrap();
+    assert_eq!(c.api_key.as_deref(), Some("p"));
+    assert_eq!(c.replica_authorization.as_deref(), Some("Bearer k"));
+    assert_eq!(
+        (
+            c.connect_timeout_sec,
+            c.response_timeout_sec,
+            c.idle_timeout_sec
+        ),
+        (0.5, 60.0, 30.0)
+    );
+
+    for (toml, field) in [
+        ("connect_timeout_sec = 0", "connect_timeout_sec"),
+        ("response_timeout_sec = -1", "response_timeout_sec"),
+        ("idle_timeout_sec = 1e9", "idle_timeout_sec"),
+        ("api_key = \"\"", "api_key"),
+        ("replica_api_key = \"has space\"", "replica_api_key"),
+        ("max_body_bytes = 0", "max_body_bytes"),
+    ] {
+        let e = ProxyConfig::from_toml(&args(&["http://a:1"]), toml).expect_err(toml);
+        assert_eq!(e.field, field, "{toml}");
+    }
+}

@@ -241,12 +241,20 @@ impl Gate {
 
     /// A snapshot of the counters and gauges.
     pub fn stats(&self) -> GateStats {
-        self.shared.lock().stats()
+        // Grace windows are purged lazily: purge what has ended, so an idle gate does not
+        // report reservations whose window already closed.
+        self.shared.with_core(|c, now| {
+            c.expire(now);
+            c.stats()
+        })
     }
 
     /// Prometheus text exposition.
     pub fn prometheus(&self) -> String {
-        self.shared.lock().prometheus()
+        self.shared.with_core(|c, now| {
+            c.expire(now);
+            c.prometheus()
+        })
     }
 
     /// How many attempts of this session were preempted (see [`GateCore::num_preempted`]).

@@ -97,9 +97,38 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "N")]
     pub max_session_labels: Option<usize>,
 
-    /// Largest request body accepted, in bytes [default: 67108864].
+    /// Largest request body accepted, in bytes; a larger one gets HTTP 413 [default: 67108864].
     #[arg(long, value_name = "BYTES")]
     pub max_body_bytes: Option<usize>,
+
+    /// Seconds to open a TCP connection to a replica. A request whose connection fails never
+    /// reached vLLM: it goes to another healthy replica [default: 5].
+    #[arg(long, value_name = "SEC")]
+    pub connect_timeout_sec: Option<f64>,
+
+    /// Seconds a replica may take to send a response's headers (a non-streaming answer's
+    /// headers come after the whole generation; a 128K-token prompt's prefill comes first);
+    /// then HTTP 504, never replayed [default: 1800].
+    #[arg(long, value_name = "SEC")]
+    pub response_timeout_sec: Option<f64>,
+
+    /// Seconds a replica's response body may stay silent between two chunks (a stream waiting
+    /// in vLLM's queue, a long prefill); then the answer is cut off [default: 600].
+    #[arg(long, value_name = "SEC")]
+    pub idle_timeout_sec: Option<f64>,
+
+    /// Key the proxy's own routes (`/sess/{id}/finish`, `/metrics`) require as
+    /// `Authorization: Bearer KEY` (401 otherwise); `/health` stays open. Forwarded `/v1`
+    /// requests are vLLM's to authenticate: their `Authorization` passes through untouched
+    /// [default: none, open].
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+
+    /// Key the proxy sends as `Authorization: Bearer KEY` on its own calls to the replicas
+    /// (the `/session_gate/v1/*` probe and gate routes, `/tokenize`), for replicas started
+    /// with `vllm serve --api-key` [default: none].
+    #[arg(long, value_name = "KEY")]
+    pub replica_api_key: Option<String>,
 
     /// Where sessions are gated: `proxy` (a gate per replica in this process) or `engine` (the
     /// replica's own engine gate, through its /session_gate/v1/admit routes, shared with every
@@ -129,6 +158,11 @@ struct FileConfig {
     retain_session: Option<bool>,
     max_session_labels: Option<usize>,
     max_body_bytes: Option<usize>,
+    connect_timeout_sec: Option<f64>,
+    response_timeout_sec: Option<f64>,
+    idle_timeout_sec: Option<f64>,
+    api_key: Option<String>,
+    replica_api_key: Option<String>,
     gate_at: Option<String>,
 }
 
@@ -190,6 +224,16 @@ pub struct ProxyConfig {
     pub max_session_labels: usize,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// Connect timeout towards replicas, in seconds.
+    pub connect_timeout_sec: f64,
+    /// Time allowed until a replica's response headers, in seconds.
+    pub response_timeout_sec: f64,
+    /// Longest silence inside a replica's response body, in seconds.
+    pub idle_timeout_sec: f64,
+    /// Key of the proxy's own routes, if any.
+    pub api_key: Option<String>,
+    /// `Authorization` value of the proxy's own calls to replicas (`Bearer KEY`), if any.
+    pub replica_authorization: Option<String>,
     /// Where sessions are gated.
     pub gate_at: GateAt,
 }
@@ -391,6 +435,44 @@ impl ProxyConfig {
         if max_body_bytes == 0 {
             return Err(err("max_body_bytes", "must be positive"));
         }
+        let seconds = |field: &str, value: Option<f64>, default: f64| {
+            let v = value.unwrap_or(default);
+            if v.is_finite() && v > 0.0 && v <= 86_400.0 {
+                Ok(v)
+            } else {
+                Err(err(
+                    field,
+                    format!("{v} must be a number of seconds in (0, 86400]"),
+                ))
+            }
+        };
+        let connect_timeout_sec = seconds(
+            "connect_timeout_sec",
+            args.connect_timeout_sec.or(file.connect_timeout_sec),
+            5.0,
+        )?;
+        let response_timeout_sec = seconds(
+            "response_timeout_sec",
+            args.response_timeout_sec.or(file.response_timeout_sec),
+            1800.0,
+        )?;
+        let idle_timeout_sec = seconds(
+            "idle_timeout_sec",
+            args.idle_timeout_sec.or(file.idle_timeout_sec),
+            600.0,
+        )?;
+        let key = |field: &str, value: Option<String>| match value {
+            Some(k) if k.is_empty() || !k.bytes().all(|b| b.is_ascii_graphic()) => Err(err(
+                field,
+                "must be non-empty printable ASCII without spaces",
+            )),
+            v => Ok(v),
+        };
+        let api_key = key("api_key", args.api_key.clone().or(file.api_key))?;
+        let replica_api_key = key(
+            "replica_api_key",
+            args.replica_api_key.clone().or(file.replica_api_key),
+        )?;
         Ok(Self {
             listen,
             replicas,
@@ -401,6 +483,11 @@ impl ProxyConfig {
             retain_session: args.retain_session.or(file.retain_session).unwrap_or(true),
             max_session_labels,
             max_body_bytes,
+            connect_timeout_sec,
+            response_timeout_sec,
+            idle_timeout_sec,
+            api_key,
+            replica_authorization: replica_api_key.map(|k| format!("Bearer {k}")),
             gate_at: match args.gate_at.clone().or(file.gate_at) {
                 Some(name) => GateAt::from_name(&name)?,
                 None => GateAt::Proxy,

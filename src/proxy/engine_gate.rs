@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 
 use super::Proxy;
 use super::replicas::Replica;
-use super::upstream::{Client, percent_encode, post_for_json};
+use super::upstream::{Client, UpstreamError, percent_encode, post_for_json};
 use crate::gate::Lease;
 
 const PREFIX: &str = "/session_gate/v1";
@@ -65,6 +65,8 @@ pub enum AdmitError {
         /// What happened, naming the replica.
         message: String,
     },
+    /// The admit could not be sent: the connection to the replica failed (it may go elsewhere).
+    NotSent(String),
 }
 
 /// A lease held by a request: the proxy's own gate, or the replica's engine gate.
@@ -119,6 +121,7 @@ struct Target {
     client: Client,
     base: String,
     authority: String,
+    authorization: Option<String>,
     client_id: String,
 }
 
@@ -128,6 +131,7 @@ impl Target {
             client: proxy.client.clone(),
             base: replica.url.base.clone(),
             authority: replica.url.authority.clone(),
+            authorization: proxy.config.replica_authorization.clone(),
             client_id: proxy.engine_client.id.clone(),
         }
     }
@@ -137,12 +141,13 @@ impl Target {
         path_and_query: &str,
         content_type: &str,
         body: Bytes,
-    ) -> Result<(StatusCode, Value), String> {
+    ) -> Result<(StatusCode, Value), UpstreamError> {
         let path = format!("{PREFIX}/{path_and_query}");
         post_for_json(
             &self.client,
             &self.base,
             &self.authority,
+            self.authorization.as_deref(),
             &path,
             content_type,
             body,
@@ -234,7 +239,15 @@ pub async fn acquire(
         status,
         message: format!("engine gate of {}: {message}", target.base),
     };
-    let (status, value) = answer.map_err(|e| failed(StatusCode::BAD_GATEWAY, e))?;
+    let (status, value) = match answer {
+        Ok(answer) => answer,
+        // Never reached the engine: nothing to cancel there; the caller may go elsewhere.
+        Err(e) if e.not_sent => {
+            pending.answered = true;
+            return Err(AdmitError::NotSent(e.message));
+        }
+        Err(e) => return Err(failed(StatusCode::BAD_GATEWAY, e.message)),
+    };
     pending.answered = true;
     match (status, value.get("status").and_then(Value::as_str)) {
         (StatusCode::OK, Some("admitted")) => match value.get("lease").and_then(Value::as_u64) {

@@ -4,13 +4,17 @@
 //! The lease lives inside the response body ([`Tracked`]): it is released when the upstream
 //! answer has been passed on completely, when the upstream fails, or when the client goes away
 //! (the body is dropped; dropping the upstream body closes that connection, and vLLM aborts the
-//! request). Nothing is retried upstream: every request reaches vLLM at most once.
+//! request). Every request reaches vLLM at most once: only a request whose connection to its
+//! replica could not be opened (nothing was sent) goes to another healthy replica, its session
+//! re-pinned there. Upstream calls have a connect, a response and an idle timeout (flags).
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes, HttpBody};
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -23,7 +27,7 @@ use super::config::GateAt;
 use super::engine_gate::{self, AdmitError, Held};
 use super::metrics::Outcome;
 use super::replicas::{Replica, Route};
-use super::upstream::is_hop_header;
+use super::upstream::{is_hop_header, never_sent};
 use crate::error::Error;
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
@@ -69,7 +73,7 @@ pub async fn v1(
     Path(rest): Path<String>,
     method: Method,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let session = headers
         .get(proxy.config.session_header.as_str())
@@ -85,13 +89,20 @@ pub async fn sess_v1(
     Path((session, rest)): Path<(String, String)>,
     method: Method,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     handle(proxy, Some(session), rest, method, headers, body).await
 }
 
 /// `POST /sess/{session_id}/finish`: ends the session's idle grace window on its replica.
-pub async fn finish(State(proxy): State<Arc<Proxy>>, Path(session): Path<String>) -> Response {
+pub async fn finish(
+    State(proxy): State<Arc<Proxy>>,
+    Path(session): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(denied) = unauthorized(&proxy, &headers) {
+        return denied;
+    }
     proxy.metrics.finish_session(&session);
     let Some(index) = proxy.replicas.forget_session(&session) else {
         return axum::Json(json!({ "session_id": session, "finished": false })).into_response();
@@ -114,7 +125,10 @@ pub async fn finish(State(proxy): State<Arc<Proxy>>, Path(session): Path<String>
 }
 
 /// `GET /metrics`.
-pub async fn metrics(State(proxy): State<Arc<Proxy>>) -> Response {
+pub async fn metrics(State(proxy): State<Arc<Proxy>>, headers: HeaderMap) -> Response {
+    if let Some(denied) = unauthorized(&proxy, &headers) {
+        return denied;
+    }
     let text = proxy.metrics.render(&proxy.replicas);
     (
         [(
@@ -139,15 +153,83 @@ pub async fn health(State(proxy): State<Arc<Proxy>>) -> Response {
     }
 }
 
+/// How one attempt on one replica ended.
+enum Attempt {
+    /// An answer for the client (the replica's, or the proxy's error).
+    Done(Response),
+    /// The replica could not be reached: nothing of the request was sent to it.
+    NotSent(String),
+}
+
+/// The proxy's JSON error for a body that could not be read (too large: 413).
+fn body_rejected(proxy: &Proxy, rejection: BytesRejection) -> Response {
+    let status = rejection.status();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        format!(
+            "the request body is larger than this proxy's limit of {} bytes \
+                 (--max-body-bytes)",
+            proxy.config.max_body_bytes
+        )
+    } else {
+        format!(
+            "the request body could not be read: {}",
+            rejection.body_text()
+        )
+    };
+    proxy
+        .metrics
+        .request("none", "body", status.as_u16(), Outcome::Rejected, 0, 0.0);
+    let mut response = error(status, "BadRequestError", message);
+    // The unread rest of the body makes the connection unusable: hyper closes it after this
+    // answer, and a client must not pick it from its pool for the next request.
+    response.headers_mut().insert(
+        axum::http::header::CONNECTION,
+        HeaderValue::from_static("close"),
+    );
+    response
+}
+
+/// `Some(401)` when the proxy has an `--api-key` and `headers` do not carry it as a bearer
+/// token (the check vLLM's own `--api-key` makes: scheme case-insensitive, exact key).
+fn unauthorized(proxy: &Proxy, headers: &HeaderMap) -> Option<Response> {
+    let key = proxy.config.api_key.as_deref()?;
+    let given = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token);
+    let ok = given.is_some_and(|token| {
+        // Constant time in the key's content.
+        token.len() == key.len()
+            && token
+                .bytes()
+                .zip(key.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    });
+    (!ok).then(|| {
+        error(
+            StatusCode::UNAUTHORIZED,
+            "AuthenticationError",
+            "this route of the proxy needs `Authorization: Bearer <key>` with its --api-key",
+        )
+    })
+}
+
 async fn handle(
     proxy: Arc<Proxy>,
     session: Option<String>,
     rest: String,
     method: Method,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let started = Instant::now();
+    let body = match body {
+        Ok(b) => b,
+        Err(rejection) => return body_rejected(&proxy, rejection),
+    };
     let kind = match (&method, rest.as_str()) {
         (&Method::POST, "completions") => Kind::Completions,
         (&Method::POST, "chat/completions") => Kind::Chat,
@@ -163,18 +245,39 @@ async fn handle(
         }
     };
     let path = format!("/v1/{rest}");
+    let attempts = proxy.replicas.list.len();
+    let mut last_failure = String::new();
     let (session, kind) = match (session, kind) {
         (Some(s), Kind::Completions | Kind::Chat) => (s, kind),
         (_, kind) => {
             // Ungated: no session, or a route the gate does not guard.
-            let Some(route) = proxy.replicas.route_ungated() else {
-                return no_replica(&proxy, kind);
-            };
-            let replica = proxy.replicas.list[route.index].clone();
-            return forward(
-                &proxy, &replica, kind, &path, method, &headers, body, None, route, started,
-            )
-            .await;
+            for _ in 0..attempts {
+                let Some(route) = proxy.replicas.route_ungated() else {
+                    return no_replica(&proxy, kind);
+                };
+                let replica = proxy.replicas.list[route.index].clone();
+                let attempt = forward(
+                    &proxy,
+                    &replica,
+                    kind,
+                    &path,
+                    method.clone(),
+                    &headers,
+                    body.clone(),
+                    None,
+                    route,
+                    started,
+                )
+                .await;
+                match attempt {
+                    Attempt::Done(response) => return response,
+                    Attempt::NotSent(why) => {
+                        replica.mark_unhealthy(&why);
+                        last_failure = why;
+                    }
+                }
+            }
+            return unreachable_replicas(&proxy, kind, &last_failure);
         }
     };
     let request: Value = match serde_json::from_slice(&body) {
@@ -195,31 +298,98 @@ async fn handle(
         .or_else(|| request.get("max_completion_tokens"))
         .and_then(Value::as_u64)
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
-    let Some(route) = proxy.replicas.route_session(&session) else {
-        return no_replica(&proxy, kind);
-    };
-    let replica = proxy.replicas.list[route.index].clone();
-    let prompt_ids = match prompt_ids(&proxy, &replica, kind, &request).await {
+    // A replica that cannot be reached (at tokenize, admit or forward) has seen nothing of
+    // this request: the session is re-pinned to another healthy replica and the request goes
+    // there. Anything that may have reached vLLM is answered as it ended, never replayed.
+    for _ in 0..attempts {
+        let Some(route) = proxy.replicas.route_session(&session) else {
+            return no_replica(&proxy, kind);
+        };
+        if let Some(from) = route.moved_from {
+            leave_replica(&proxy, from, &session);
+        }
+        let replica = proxy.replicas.list[route.index].clone();
+        let turn = Turn {
+            session: &session,
+            kind,
+            path: &path,
+            method: &method,
+            headers: &headers,
+            body: &body,
+            request: &request,
+            max_tokens,
+            started,
+        };
+        match gated(&proxy, &replica, turn, route).await {
+            Attempt::Done(response) => return response,
+            Attempt::NotSent(why) => {
+                replica.mark_unhealthy(&why);
+                last_failure = why;
+            }
+        }
+    }
+    unreachable_replicas(&proxy, kind, &last_failure)
+}
+
+/// Ends a session's window on the replica it just left (that replica is unhealthy): its
+/// reservation there must not wait out the idle grace. In the background: the replica may be
+/// dead, and a probe to it can take the probe timeout.
+fn leave_replica(proxy: &Arc<Proxy>, index: usize, session: &str) {
+    let proxy = proxy.clone();
+    let session = session.to_string();
+    tokio::spawn(async move {
+        let replica = proxy.replicas.list[index].clone();
+        replica.probe.released();
+        match proxy.config.gate_at {
+            GateAt::Proxy => {
+                replica.gate.finish_session(&session).await;
+            }
+            GateAt::Engine => {
+                // A dead engine frees this proxy's leases one TTL after its last call.
+                let _ = engine_gate::finish(&proxy, &replica, &session).await;
+            }
+        }
+    });
+}
+
+/// One gated request, as the handler read it.
+#[derive(Clone, Copy)]
+struct Turn<'a> {
+    session: &'a str,
+    kind: Kind,
+    path: &'a str,
+    method: &'a Method,
+    headers: &'a HeaderMap,
+    body: &'a Bytes,
+    request: &'a Value,
+    max_tokens: Option<usize>,
+    started: Instant,
+}
+
+/// One attempt of a gated request on one replica: tokenize there, acquire its gate, forward.
+async fn gated(proxy: &Arc<Proxy>, replica: &Arc<Replica>, t: Turn<'_>, route: Route) -> Attempt {
+    let prompt_ids = match prompt_ids(proxy, replica, t.kind, t.request).await {
         Ok(ids) => ids,
-        Err(response) => {
+        Err(Attempt::Done(response)) => {
             proxy.metrics.request(
                 &replica.url.base,
-                kind.route(),
+                t.kind.route(),
                 response.status().as_u16(),
                 Outcome::Rejected,
                 0,
                 0.0,
             );
-            return response;
+            return Attempt::Done(response);
         }
+        Err(not_sent) => return not_sent,
     };
     let acquired = match proxy.config.gate_at {
         GateAt::Proxy => replica
             .gate
             .acquire(
-                &session,
+                t.session,
                 &prompt_ids,
-                max_tokens,
+                t.max_tokens,
                 proxy.config.retain_session,
             )
             .await
@@ -233,11 +403,11 @@ async fn handle(
             }),
         GateAt::Engine => {
             engine_gate::acquire(
-                &proxy,
-                &replica,
-                &session,
+                proxy,
+                replica,
+                t.session,
                 &prompt_ids,
-                max_tokens,
+                t.max_tokens,
                 proxy.config.retain_session,
             )
             .await
@@ -245,11 +415,22 @@ async fn handle(
     };
     let lease = match acquired {
         Ok(lease) => lease,
-        Err(AdmitError::Preempted { .. }) => {
-            proxy.metrics.preempted(&session);
+        Err(AdmitError::NotSent(why)) => {
             proxy.metrics.request(
                 &replica.url.base,
-                kind.route(),
+                t.kind.route(),
+                502,
+                Outcome::Rerouted,
+                0,
+                0.0,
+            );
+            return Attempt::NotSent(why);
+        }
+        Err(AdmitError::Preempted { .. }) => {
+            proxy.metrics.preempted(t.session);
+            proxy.metrics.request(
+                &replica.url.base,
+                t.kind.route(),
                 409,
                 Outcome::Preempted,
                 0,
@@ -259,15 +440,16 @@ async fn handle(
                 StatusCode::CONFLICT,
                 "preempted",
                 format!(
-                    "a newer request of session {session:?} arrived while this one waited for \
-                     admission; this attempt was dropped and never reached vLLM"
+                    "a newer request of session {:?} arrived while this one waited for \
+                     admission; this attempt was dropped and never reached vLLM",
+                    t.session
                 ),
             );
             // OpenAI's clients retry 409 by default; a preempted attempt must not come back.
             response
                 .headers_mut()
                 .insert("x-should-retry", HeaderValue::from_static("false"));
-            return response;
+            return Attempt::Done(response);
         }
         Err(AdmitError::Failed { status, message }) => {
             let kind_name = if status == StatusCode::BAD_REQUEST {
@@ -275,22 +457,33 @@ async fn handle(
             } else {
                 "InternalServerError"
             };
-            return error(status, kind_name, message);
+            return Attempt::Done(error(status, kind_name, message));
         }
     };
     forward(
-        &proxy,
-        &replica,
-        kind,
-        &path,
-        method,
-        &headers,
-        body,
+        proxy,
+        replica,
+        t.kind,
+        t.path,
+        t.method.clone(),
+        t.headers,
+        t.body.clone(),
         Some(lease),
         route,
-        started,
+        t.started,
     )
     .await
+}
+
+fn unreachable_replicas(proxy: &Proxy, kind: Kind, why: &str) -> Response {
+    proxy
+        .metrics
+        .request("none", kind.route(), 502, Outcome::Rejected, 0, 0.0);
+    error(
+        StatusCode::BAD_GATEWAY,
+        "BadGatewayError",
+        format!("no vLLM replica could be reached (the request was sent to none): {why}"),
+    )
 }
 
 fn no_replica(proxy: &Proxy, kind: Kind) -> Response {
@@ -325,7 +518,8 @@ async fn prompt_ids(
     replica: &Replica,
     kind: Kind,
     request: &Value,
-) -> Result<Vec<u32>, Response> {
+) -> Result<Vec<u32>, Attempt> {
+    let done = |r: Response| Attempt::Done(r);
     let tokenize_body = match kind {
         Kind::Completions => match request.get("prompt") {
             Some(Value::String(text)) => {
@@ -339,20 +533,20 @@ async fn prompt_ids(
             }
             Some(p @ Value::Array(a)) if a.first().is_some_and(Value::is_u64) => {
                 return ids_of(p).ok_or_else(|| {
-                    error(
+                    done(error(
                         StatusCode::BAD_REQUEST,
                         "BadRequestError",
                         "prompt token ids must be integers in 0..2^32",
-                    )
+                    ))
                 });
             }
             _ => {
-                return Err(error(
+                return Err(done(error(
                     StatusCode::BAD_REQUEST,
                     "BadRequestError",
                     "a session's completions request needs one prompt: a string or a list of \
                      token ids (batched prompts are not gated)",
-                ));
+                )));
             }
         },
         Kind::Chat => {
@@ -363,11 +557,11 @@ async fn prompt_ids(
                 }
             }
             if !body.contains_key("messages") {
-                return Err(error(
+                return Err(done(error(
                     StatusCode::BAD_REQUEST,
                     "BadRequestError",
                     "a chat request needs messages",
-                ));
+                )));
             }
             Value::Object(body)
         }
@@ -375,25 +569,40 @@ async fn prompt_ids(
     };
     let bytes = serde_json::to_vec(&tokenize_body).unwrap_or_default();
     let uri = format!("{}/tokenize", replica.url.base);
-    let req = hyper::Request::builder()
+    let mut req = hyper::Request::builder()
         .method(Method::POST)
         .uri(&uri)
         .header(hyper::header::HOST, &replica.url.authority)
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(bytes)))
-        .map_err(|e| error(StatusCode::BAD_GATEWAY, "BadGatewayError", e.to_string()))?;
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    if let Some(auth) = &proxy.config.replica_authorization {
+        req = req.header(hyper::header::AUTHORIZATION, auth);
+    }
+    let req = req.body(Full::new(Bytes::from(bytes))).map_err(|e| {
+        done(error(
+            StatusCode::BAD_GATEWAY,
+            "BadGatewayError",
+            e.to_string(),
+        ))
+    })?;
     let upstream_error = |e: &dyn std::fmt::Display| {
-        error(
+        done(error(
             StatusCode::BAD_GATEWAY,
             "BadGatewayError",
             format!("{uri}: {e}"),
-        )
+        ))
     };
-    let resp = proxy
-        .client
-        .request(req)
-        .await
-        .map_err(|e| upstream_error(&e))?;
+    let timeout = Duration::from_secs_f64(proxy.config.response_timeout_sec);
+    let resp = match tokio::time::timeout(timeout, proxy.client.request(req)).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) if never_sent(&e) => return Err(Attempt::NotSent(format!("{uri}: {e}"))),
+        Ok(Err(e)) => return Err(upstream_error(&e)),
+        Err(_) => {
+            return Err(done(gateway_timeout(
+                &uri,
+                proxy.config.response_timeout_sec,
+            )));
+        }
+    };
     let status = resp.status();
     let bytes = resp
         .into_body()
@@ -409,12 +618,23 @@ async fn prompt_ids(
             axum::http::header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        return Err(r);
+        return Err(done(r));
     }
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| upstream_error(&e))?;
     v.get("tokens")
         .and_then(ids_of)
         .ok_or_else(|| upstream_error(&"tokenize answered without tokens"))
+}
+
+fn gateway_timeout(uri: &str, secs: f64) -> Response {
+    error(
+        StatusCode::GATEWAY_TIMEOUT,
+        "GatewayTimeoutError",
+        format!(
+            "{uri} sent no response within {secs} s (--response-timeout-sec); the request may \
+             have reached vLLM and is not retried"
+        ),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -429,10 +649,11 @@ async fn forward(
     lease: Option<Held>,
     route: Route,
     started: Instant,
-) -> Response {
+) -> Attempt {
+    let uri = format!("{}{}", replica.url.base, path);
     let mut builder = hyper::Request::builder()
         .method(method)
-        .uri(format!("{}{}", replica.url.base, path))
+        .uri(&uri)
         .header(hyper::header::HOST, &replica.url.authority);
     // Admitted by the replica's engine gate already: without the session header, the replica's
     // gating middleware (if it runs one) does not admit the same turn a second time.
@@ -445,7 +666,13 @@ async fn forward(
     }
     let request = match builder.body(Full::new(body)) {
         Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "BadRequestError", e.to_string()),
+        Err(e) => {
+            return Attempt::Done(error(
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                e.to_string(),
+            ));
+        }
     };
     let mut guard = Guard {
         proxy: proxy.clone(),
@@ -457,22 +684,38 @@ async fn forward(
         lease,
         done: false,
     };
-    let upstream = match proxy.client.request(request).await {
-        Ok(r) => r,
-        Err(e) => {
+    let timeout = Duration::from_secs_f64(proxy.config.response_timeout_sec);
+    let upstream = match tokio::time::timeout(timeout, proxy.client.request(request)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) if never_sent(&e) => {
+            guard.finish(Outcome::Rerouted);
+            return Attempt::NotSent(format!("{uri}: {e}"));
+        }
+        Ok(Err(e)) => {
             guard.finish(Outcome::UpstreamFailed);
-            return error(
+            return Attempt::Done(error(
                 StatusCode::BAD_GATEWAY,
                 "BadGatewayError",
-                format!("replica {} failed: {e}", replica.url.base),
-            );
+                format!(
+                    "replica {} failed after the request was sent (not retried): {e}",
+                    replica.url.base
+                ),
+            ));
+        }
+        Err(_) => {
+            guard.status = 504;
+            guard.finish(Outcome::UpstreamFailed);
+            return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
         }
     };
     let (parts, incoming) = upstream.into_parts();
     guard.status = parts.status.as_u16();
+    let idle_timeout = Duration::from_secs_f64(proxy.config.idle_timeout_sec);
     let mut response = Response::new(Body::new(Tracked {
         inner: incoming,
         guard,
+        idle: Box::pin(tokio::time::sleep(idle_timeout)),
+        idle_timeout,
     }));
     *response.status_mut() = parts.status;
     for (name, value) in &parts.headers {
@@ -480,7 +723,7 @@ async fn forward(
             response.headers_mut().append(name, value.clone());
         }
     }
-    response
+    Attempt::Done(response)
 }
 
 /// Releases the lease and records the request, exactly once, however the answer ends.
@@ -517,20 +760,23 @@ impl Guard {
 }
 
 /// The upstream body passed through frame by frame (SSE included, unbuffered), holding the
-/// lease until the answer is complete or abandoned.
+/// lease until the answer is complete or abandoned. A body silent for longer than the idle
+/// timeout is cut off (the client sees the answer end early; it is not retried).
 struct Tracked {
     inner: Incoming,
     guard: Guard,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_timeout: Duration,
 }
 
 impl HttpBody for Tracked {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = axum::BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         match &polled {
@@ -540,9 +786,24 @@ impl HttpBody for Tracked {
             Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => {
                 this.guard.finish(Outcome::Completed)
             }
-            _ => {}
+            Poll::Ready(Some(Ok(_))) => {
+                let deadline = tokio::time::Instant::now() + this.idle_timeout;
+                this.idle.as_mut().reset(deadline);
+            }
+            Poll::Pending => {
+                if this.idle.as_mut().poll(cx).is_ready() {
+                    this.guard.status = 504;
+                    this.guard.finish(Outcome::UpstreamFailed);
+                    let secs = this.idle_timeout.as_secs_f64();
+                    return Poll::Ready(Some(Err(format!(
+                        "replica {} sent nothing for {secs} s (--idle-timeout-sec)",
+                        this.guard.replica.url.base
+                    )
+                    .into())));
+                }
+            }
         }
-        polled
+        polled.map(|p| p.map(|r| r.map_err(axum::BoxError::from)))
     }
 
     fn is_end_stream(&self) -> bool {

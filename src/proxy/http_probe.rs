@@ -19,6 +19,7 @@ pub struct HttpProbe {
     client: Client,
     base: String,
     authority: String,
+    authorization: Option<String>,
     last_usage: Mutex<Option<UsageReport>>,
 }
 
@@ -48,11 +49,13 @@ fn f64_field(v: &Value, key: &str) -> Result<f64> {
 
 impl HttpProbe {
     /// A probe of the replica at `base` (`http://host:port`) whose `host:port` is `authority`.
-    pub fn new(client: Client, base: &str, authority: &str) -> Self {
+    /// `authorization` is sent as the `Authorization` header (a replica run with `--api-key`).
+    pub fn new(client: Client, base: &str, authority: &str, authorization: Option<&str>) -> Self {
         Self {
             client,
             base: base.trim_end_matches('/').to_string(),
             authority: authority.to_string(),
+            authorization: authorization.map(str::to_string),
             last_usage: Mutex::new(None),
         }
     }
@@ -67,6 +70,7 @@ impl HttpProbe {
             &self.client,
             &self.base,
             &self.authority,
+            self.authorization.as_deref(),
             path_and_query,
             content_type,
             body,

@@ -55,6 +55,9 @@ pub enum Outcome {
     UpstreamFailed,
     /// The gate preempted the attempt (HTTP 409).
     Preempted,
+    /// The replica could not be reached (connection failed before anything was sent); the
+    /// request went to another replica.
+    Rerouted,
     /// Rejected before forwarding (bad request, no healthy replica).
     Rejected,
 }
@@ -66,6 +69,7 @@ impl Outcome {
             Outcome::ClientDisconnected => "client_disconnected",
             Outcome::UpstreamFailed => "upstream_failed",
             Outcome::Preempted => "preempted",
+            Outcome::Rerouted => "rerouted",
             Outcome::Rejected => "rejected",
         }
     }

@@ -55,7 +55,7 @@ pub struct Proxy {
 impl Proxy {
     /// Builds the proxy's state (gates included) from a resolved configuration.
     pub fn new(config: ProxyConfig) -> crate::Result<Arc<Self>> {
-        let client = upstream::client();
+        let client = upstream::client(Duration::from_secs_f64(config.connect_timeout_sec));
         let replicas = Arc::new(Replicas::new(&config, &client)?);
         let metrics = ProxyMetrics::new(config.max_session_labels);
         Ok(Arc::new(Self {

@@ -38,6 +38,18 @@ impl Replica {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// Marks the replica unhealthy at once (a connection to it just failed); the next health
+    /// check that passes marks it healthy again.
+    pub fn mark_unhealthy(&self, why: &str) {
+        if self.healthy.swap(false, Ordering::Relaxed) {
+            self.probe.forget_usage();
+            eprintln!(
+                "session-gate proxy: replica {} is unhealthy ({why})",
+                self.url.base
+            );
+        }
+    }
+
     /// Committed pressure: what a new session's placement compares.
     pub fn pressure(&self) -> f64 {
         let stats = self.gate.stats();
@@ -73,6 +85,9 @@ pub struct Route {
     pub index: usize,
     /// 1-based turn index of this request within its session (0 when ungated).
     pub turn: u64,
+    /// The replica the session was pinned to before this request re-pinned it (that replica
+    /// is unhealthy), if it moved.
+    pub moved_from: Option<usize>,
 }
 
 impl Replicas {
@@ -80,7 +95,12 @@ impl Replicas {
     pub fn new(config: &ProxyConfig, client: &Client) -> crate::Result<Self> {
         let mut list = Vec::with_capacity(config.replicas.len());
         for url in &config.replicas {
-            let http = Arc::new(HttpProbe::new(client.clone(), &url.base, &url.authority));
+            let http = Arc::new(HttpProbe::new(
+                client.clone(),
+                &url.base,
+                &url.authority,
+                config.replica_authorization.as_deref(),
+            ));
             let probe = Arc::new(CachedProbe::new(
                 http,
                 Duration::from_millis(config.usage_cache_ms),
@@ -121,14 +141,16 @@ impl Replicas {
         let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if let Some(s) = sessions.get_mut(session_id) {
+            let mut moved_from = None;
             if !self.list[s.replica].is_healthy() {
-                s.replica = self.best()?;
+                moved_from = Some(std::mem::replace(&mut s.replica, self.best()?));
             }
             s.turns += 1;
             s.last_seen = now;
             return Some(Route {
                 index: s.replica,
                 turn: s.turns,
+                moved_from,
             });
         }
         let index = self.best()?;
@@ -140,7 +162,11 @@ impl Replicas {
                 last_seen: now,
             },
         );
-        Some(Route { index, turn: 1 })
+        Some(Route {
+            index,
+            turn: 1,
+            moved_from: None,
+        })
     }
 
     /// The replica a session is pinned to, if any.
@@ -162,7 +188,11 @@ impl Replicas {
         (0..n)
             .map(|k| (start + k) % n)
             .find(|&i| self.list[i].is_healthy())
-            .map(|index| Route { index, turn: 0 })
+            .map(|index| Route {
+                index,
+                turn: 0,
+                moved_from: None,
+            })
     }
 
     /// Drops pins of sessions idle for longer than `ttl` (bounded memory for abandoned ones).
@@ -202,6 +232,8 @@ pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Dura
             let ok = check(&client, r).await;
             let was = r.healthy.swap(ok, Ordering::Relaxed);
             if was != ok {
+                // Its old usage answer would steer new sessions away from (or towards) it.
+                r.probe.forget_usage();
                 eprintln!(
                     "session-gate proxy: replica {} is {}",
                     r.url.base,

@@ -13,47 +13,88 @@ use serde_json::Value;
 pub type Client = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
 
 /// A keep-alive HTTP/1.1 client with `TCP_NODELAY` (small SSE frames must not wait for Nagle).
-pub fn client() -> Client {
+/// A connection that cannot be opened within `connect_timeout` fails as a connect error
+/// (`is_connect()`): the request was never sent.
+pub fn client(connect_timeout: Duration) -> Client {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(5)));
+    connector.set_connect_timeout(Some(connect_timeout));
     hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .pool_idle_timeout(Duration::from_secs(60))
         .pool_max_idle_per_host(256)
         .build(connector)
 }
 
-/// POSTs `body` to `{base}{path_and_query}` (`authority` as the Host) and reads the answer as
-/// JSON, whatever its status; errors name the URI.
+/// A failed call to a replica; `not_sent` when the connection could not even be opened (the
+/// request never reached the replica, so it may go elsewhere).
+#[derive(Debug, Clone)]
+pub struct UpstreamError {
+    /// What failed, naming the URI.
+    pub message: String,
+    /// The connection failed before any byte of the request was sent.
+    pub not_sent: bool,
+}
+
+impl std::fmt::Display for UpstreamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<UpstreamError> for String {
+    fn from(e: UpstreamError) -> String {
+        e.message
+    }
+}
+
+/// Whether a client error means the request never left the proxy: the connection to the
+/// replica could not be opened (refused, unreachable, connect timeout). A pooled connection the
+/// replica had closed is retried on a new one by the client itself before that.
+pub fn never_sent(e: &hyper_util::client::legacy::Error) -> bool {
+    e.is_connect()
+}
+
+/// POSTs `body` to `{base}{path_and_query}` (`authority` as the Host, `authorization` as the
+/// `Authorization` header if given) and reads the answer as JSON, whatever its status; errors
+/// name the URI.
 pub async fn post_for_json(
     client: &Client,
     base: &str,
     authority: &str,
+    authorization: Option<&str>,
     path_and_query: &str,
     content_type: &str,
     body: Bytes,
-) -> Result<(StatusCode, Value), String> {
+) -> Result<(StatusCode, Value), UpstreamError> {
     let uri = format!("{base}{path_and_query}");
-    let request = Request::builder()
+    let fail = |e: &dyn std::fmt::Display| UpstreamError {
+        message: format!("{uri}: {e}"),
+        not_sent: false,
+    };
+    let mut request = Request::builder()
         .method(Method::POST)
         .uri(&uri)
         .header(hyper::header::HOST, authority)
-        .header(hyper::header::CONTENT_TYPE, content_type)
-        .body(Full::new(body))
-        .map_err(|e| format!("{uri}: {e}"))?;
-    let response = client
-        .request(request)
-        .await
-        .map_err(|e| format!("{uri}: {e}"))?;
+        .header(hyper::header::CONTENT_TYPE, content_type);
+    if let Some(auth) = authorization {
+        request = request.header(hyper::header::AUTHORIZATION, auth);
+    }
+    let request = request.body(Full::new(body)).map_err(|e| fail(&e))?;
+    let response = client.request(request).await.map_err(|e| UpstreamError {
+        message: format!("{uri}: {e}"),
+        not_sent: never_sent(&e),
+    })?;
     let status = response.status();
     let bytes = response
         .into_body()
         .collect()
         .await
-        .map_err(|e| format!("{uri}: {e}"))?
+        .map_err(|e| fail(&e))?
         .to_bytes();
-    let value = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("{uri} answered {status} with non-JSON ({e})"))?;
+    let value = serde_json::from_slice(&bytes).map_err(|e| UpstreamError {
+        message: format!("{uri} answered {status} with non-JSON ({e})"),
+        not_sent: false,
+    })?;
     Ok((status, value))
 }
 

@@ -109,6 +109,15 @@ impl CachedProbe {
         }
     }
 
+    /// Drops every reading (cached and last): the replica went away or came back, and what it
+    /// said before says nothing about its cache now (a restarted replica starts empty).
+    pub fn forget_usage(&self) {
+        let mut st = self.state();
+        st.generation += 1;
+        st.cached = None;
+        st.last = None;
+    }
+
     /// A cached reading the gate may use now, if any.
     fn usable(&self, st: &State, now: Instant) -> Option<UsageReport> {
         let c = st.cached?;
@@ -407,6 +416,21 @@ mod tests {
         inner.gate.as_ref().unwrap().add_permits(1);
         assert_eq!(after.await.unwrap(), 0.5);
         assert_eq!(usage(&p).await, 0.5, "the post-release answer is cached");
+        assert_eq!(inner.calls(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_that_went_away_keeps_no_reading() {
+        let inner = SlowProbe::new(0.9, false);
+        let p = cached(&inner, 50);
+        assert_eq!(usage(&p).await, 0.9);
+        p.forget_usage();
+        assert!(
+            p.last_usage().is_none(),
+            "a restarted replica's old usage must not steer"
+        );
+        inner.set(0.0);
+        assert_eq!(usage(&p).await, 0.0, "not served from the cache either");
         assert_eq!(inner.calls(), 2);
     }
 

@@ -29,6 +29,10 @@ name turns on both halves). Routes, all POST, all answering JSON:
 
 Errors are ``{"error": {"message", "type", "code"}}`` (vLLM's shape): 400 for bad input, 503 when
 the engine-side plugin is missing (or the server has no engine), 500 for anything else.
+
+A server started with ``--api-key`` (or ``VLLM_API_KEY``) guards every ``/session_gate`` route
+with it exactly as vLLM guards ``/v1`` (``auth``): 401 ``{"error": "Unauthorized"}`` without
+``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from session_gate.engine import auth
 from session_gate.engine.gate_driver import BAD_GATE_INPUT
 from session_gate.probes import pack_token_ids
 
@@ -297,8 +302,10 @@ class SessionGateEndpoints:
 
         gate_routes.attach(router)
         app.include_router(router)
+        app.add_middleware(auth.ApiKeyMiddleware, prefix="/session_gate/")
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        auth.set_keys(state, auth.server_api_keys(args))
         setattr(state, _STATE_ATTR, _Routes(engine_client, state))
 
 

