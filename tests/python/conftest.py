@@ -9,13 +9,13 @@ import random
 import shutil
 import subprocess
 import tempfile
-import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from session_gate.engine.launch import generate
 from session_gate.engine.tiny_tokenizer import WORD_BASE
+from session_gate.soak.cluster import get_text, metric  # noqa: F401 (the tests import them from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,19 +134,3 @@ def proxy_binary() -> Path:
     """Build ``session-gate`` (debug) and return its path."""
     subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
     return ROOT / "target" / "debug" / "session-gate"
-
-
-def get_text(url: str, timeout: float = 30) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read().decode()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
