@@ -218,10 +218,8 @@ fn the_gate_wakes_the_head_waiter_when_a_grace_window_ends() {
 
 #[test]
 fn the_gate_polls_again_after_wait_poll_sec() {
-    // b waits behind a's reservation with no event to wake it while a runs its 20 s tool; a's
-    // turns are cheap, so a's idle window yields to b (gate::core, "Yielding idle room") once
-    // it has been idle 8 turn times and one poll interval: b sees that only by polling again
-    // when its 2 s deadline passes, since nothing else happens meanwhile.
+    // b waits behind a's reservation with no event to wake it until a ends at ~20 s; a's
+    // turns are cheap, so every poll finds the same pressure: b's admission comes at a's end.
     let config = GateConfig {
         wait_poll_sec: 2.0,
         ..GateConfig::default()
@@ -232,16 +230,14 @@ fn the_gate_polls_again_after_wait_poll_sec() {
         ModeSpec::Gate(config),
     );
     let b = of(&out, 1)[0];
-    assert!(b.wait_sec > 1.9 && b.wait_sec < 4.5, "{b:?}");
-    assert_eq!(b.reason, "open");
+    assert!(b.wait_sec > 19.0, "{b:?}");
     let stats = out.gate_stats.clone().unwrap();
-    assert_eq!(stats.revocations, 1, "a's idle window yielded");
-    // Each 2 s deadline made b poll again: a usage probe per poll.
+    // Each 2 s deadline made b poll again: a usage probe per poll, ~10 of them.
     let usage_probes = stats
         .probe(session_gate::gate::ProbeKind::Usage)
         .latency
         .count;
-    assert!(usage_probes >= 2, "{usage_probes}");
+    assert!(usage_probes >= 10, "{usage_probes}");
 }
 
 #[test]

@@ -86,14 +86,6 @@ impl Ledger {
         self.expiries.remove(&(TimeKey(until), age));
     }
 
-    /// Idle reservations whose grace window ends by `cutoff`, earliest first:
-    /// (session slot, age, working set in blocks).
-    pub(crate) fn idle_until(&self, cutoff: f64) -> impl Iterator<Item = (u32, u64, u64)> + '_ {
-        self.expiries
-            .range(..=(TimeKey(cutoff), u64::MAX))
-            .map(|(&(_, age), &slot)| (slot, age, self.by_age.get(&age).copied().unwrap_or(0)))
-    }
-
     /// Earliest end of an idle grace window.
     pub(crate) fn next_expiry(&self) -> Option<f64> {
         self.expiries.keys().next().map(|(t, _)| t.0)

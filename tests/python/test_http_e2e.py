@@ -257,7 +257,9 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     async for chunk in stream:
         chunks.append(chunk)
     sent += 1
-    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 5
+    # Five tokens stream through; with dummy weights a sampled token can decode to no text, so
+    # up to five chunks carry content and the stream ends on the length limit.
+    assert 1 <= sum(1 for c in chunks if c.choices and c.choices[0].delta.content) <= 5
     assert chunks[-1].choices[0].finish_reason == "length"
 
     # Ungated: no session id; /v1/models.

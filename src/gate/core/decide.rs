@@ -1,13 +1,12 @@
 //! The decision tree (see the [`core`](super) module docs): pure reads of the core's state plus
-//! the state changes a decision can make: revoking the asking session's reservation, and idle
-//! reservations yielding their room.
-use super::{Attempt, GateCore, Hit, Step, YIELD_AFTER_TURNS};
+//! the one state change a decision can make, revoking the asking session's reservation.
+use super::{Attempt, GateCore, Hit, Step};
 use crate::gate::config::Pressure;
 use crate::gate::types::Reason;
 
 impl GateCore {
     /// Steps 1–2 of the tree, once this cycle's usage answer is in.
-    pub(super) fn decide_on_usage(&mut self, id: u64, now: f64) -> Step {
+    pub(super) fn decide_on_usage(&mut self, id: u64) -> Step {
         let a = &self.attempts[&id];
         let (slot, order, usage) = (a.slot, a.order, a.usage);
         let ws = self.blocks(a.ws_tokens);
@@ -69,49 +68,11 @@ impl GateCore {
                         if usage < hw && (committed + ws) as f64 <= line {
                             return Step::Admit(Reason::Open);
                         }
-                        if usage < hw && self.yield_idle(ws, line, now) {
-                            return Step::Admit(Reason::Open);
-                        }
                     }
                 }
                 Step::Prefix
             }
         }
-    }
-
-    /// Yielding idle room (module docs): reservations idle for [`YIELD_AFTER_TURNS`] mean
-    /// turn times (and at least `wait_poll_sec`) or more are dropped, longest idle first, if dropping them lets a working set
-    /// of `ws` blocks fit under `line`; otherwise nothing is dropped. Returns whether it fits.
-    fn yield_idle(&mut self, ws: u64, line: f64, now: f64) -> bool {
-        let Some(turn) = self.turn_sec else {
-            return false;
-        };
-        // Never sooner than one poll interval: leases released at once (a turn time near 0)
-        // must not make every idle window yield on sight.
-        let after = (YIELD_AFTER_TURNS * turn).max(self.cfg.wait_poll_sec);
-        // A window ending by `cutoff` started `after` seconds ago or earlier.
-        let cutoff = now - after + self.cfg.idle_grace_sec;
-        let committed = self.ledger.committed();
-        let mut take = Vec::new();
-        let mut freed = 0;
-        for (slot, age, blocks) in self.ledger.idle_until(cutoff) {
-            if (committed - freed + ws) as f64 <= line {
-                break;
-            }
-            freed += blocks;
-            take.push((slot, age));
-        }
-        if take.is_empty() || (committed - freed + ws) as f64 > line {
-            return false;
-        }
-        for (slot, age) in take {
-            if self.sessions.get(slot).reservation.as_ref().map(|r| r.age) == Some(age) {
-                self.drop_reservation(slot);
-                self.sessions.gc(slot);
-                self.stats.revocations += 1;
-            }
-        }
-        true
     }
 
     /// Steps 3–4, once the prefix answer is in.

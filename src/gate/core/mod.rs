@@ -16,23 +16,12 @@
 //!    watermark, the updated committed set fits under `line` and FIFO allows it, else
 //!    `reserved_session`.
 //! 2. Cold, and FIFO allows it (see below): `open` when nothing is committed (so an oversize
-//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`, or
-//!    when usage < watermark and idle reservations can yield enough room (see "Yielding idle
-//!    room").
+//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`.
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
 //!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
 //! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
 //!
 //! Every admission takes (or renews) the session's reservation.
-//!
-//! **Yielding idle room.** A reservation in its idle grace window (its session is running a
-//! tool) that has been idle for `YIELD_AFTER_TURNS` (8) mean turn times (admission to release,
-//! learned from released leases), and at least `wait_poll_sec`, gives its room to a cold attempt at the head of the queue that
-//! does not fit otherwise: longest idle first, and only if dropping them makes it fit. A yielded
-//! reservation counts as a revocation; its session's next turn is a cold attempt like any new
-//! one. When tools take far longer than turns, holding their room idle serialises sessions while
-//! re-prefilling the context on their return is cheap; when tools are short next to turns,
-//! nothing is idle that long and nothing yields.
 //!
 //! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
@@ -83,13 +72,6 @@ use super::types::{
     Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,
 };
 use crate::error::{Error, Result};
-
-/// An idle reservation yields its room to the head of the queue once it has been idle this many
-/// mean turn times (module docs, "Yielding idle room"). Not a knob: chosen once on the whole
-/// twin matrix, two seeds (README, "Against what users run today").
-pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
-/// Weight of a new observation in the learned mean turn time.
-const EWMA_WEIGHT: f64 = 0.1;
 
 /// Cache geometry from the latest valid usage report.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -146,8 +128,6 @@ struct LeaseRec {
     /// Age of the reservation this lease holds, if any. A lease outliving its reservation
     /// (finished, revoked) must not touch the session's next one.
     reservation: Option<u64>,
-    /// When it was admitted: its duration feeds the mean turn time.
-    admitted_at: f64,
 }
 
 enum Step {
@@ -173,8 +153,6 @@ pub struct GateCore {
     epoch: u64,
     pending: u64,
     stats: GateStats,
-    /// Mean admission-to-release time of a lease (EWMA), once one was released.
-    turn_sec: Option<f64>,
 }
 
 impl GateCore {
@@ -194,7 +172,6 @@ impl GateCore {
             epoch: 0,
             pending: 0,
             stats: GateStats::new(),
-            turn_sec: None,
         })
     }
 
@@ -293,7 +270,7 @@ impl GateCore {
                 }
                 Step::Restart
             }
-            Phase::Decide => self.decide_on_usage(id, now),
+            Phase::Decide => self.decide_on_usage(id),
             Phase::DecidePrefix => self.decide_on_prefix(id, now),
         };
         Ok(match step {
@@ -591,7 +568,6 @@ impl GateCore {
             LeaseRec {
                 slot: a.slot,
                 reservation,
-                admitted_at: now,
             },
         );
         let wait_sec = (now - a.started).max(0.0);
@@ -628,7 +604,6 @@ impl GateCore {
             return false;
         };
         let grace = self.cfg.idle_grace_sec;
-        self.turn_sec = Some(ewma(self.turn_sec, (now - rec.admitted_at).max(0.0)));
         let session = self.sessions.get_mut(rec.slot);
         session.leases -= 1;
         let mut drop_it = false;
@@ -685,11 +660,6 @@ impl GateCore {
             }
         }
     }
-}
-
-/// One step of an exponentially weighted mean (`EWMA_WEIGHT` on the new value).
-fn ewma(mean: Option<f64>, x: f64) -> f64 {
-    mean.map_or(x, |m| m + EWMA_WEIGHT * (x - m))
 }
 
 fn stale_attempt(attempt: AttemptId) -> Error {
