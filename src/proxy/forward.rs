@@ -27,7 +27,7 @@ use super::config::GateAt;
 use super::engine_gate::{self, AdmitError, Held};
 use super::metrics::Outcome;
 use super::replicas::{Replica, Route};
-use super::upstream::{is_hop_header, never_sent};
+use super::upstream::{is_hop_header, never_sent, post_request};
 use crate::error::Error;
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
@@ -569,15 +569,14 @@ async fn prompt_ids(
     };
     let bytes = serde_json::to_vec(&tokenize_body).unwrap_or_default();
     let uri = format!("{}/tokenize", replica.url.base);
-    let mut req = hyper::Request::builder()
-        .method(Method::POST)
-        .uri(&uri)
-        .header(hyper::header::HOST, &replica.url.authority)
-        .header(hyper::header::CONTENT_TYPE, "application/json");
-    if let Some(auth) = &proxy.config.replica_authorization {
-        req = req.header(hyper::header::AUTHORIZATION, auth);
-    }
-    let req = req.body(Full::new(Bytes::from(bytes))).map_err(|e| {
+    let req = post_request(
+        &uri,
+        &replica.url.authority,
+        proxy.config.replica_authorization.as_deref(),
+        "application/json",
+        Bytes::from(bytes),
+    )
+    .map_err(|e| {
         done(error(
             StatusCode::BAD_GATEWAY,
             "BadGatewayError",

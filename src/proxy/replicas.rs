@@ -41,10 +41,17 @@ impl Replica {
     /// Marks the replica unhealthy at once (a connection to it just failed); the next health
     /// check that passes marks it healthy again.
     pub fn mark_unhealthy(&self, why: &str) {
-        if self.healthy.swap(false, Ordering::Relaxed) {
+        self.set_healthy(false, why);
+    }
+
+    /// Records a health change, saying why; a replica that went away or came back also loses
+    /// its usage readings, which would steer new sessions away from (or towards) it.
+    fn set_healthy(&self, ok: bool, why: &str) {
+        if self.healthy.swap(ok, Ordering::Relaxed) != ok {
             self.probe.forget_usage();
+            let state = if ok { "healthy again" } else { "unhealthy" };
             eprintln!(
-                "session-gate proxy: replica {} is unhealthy ({why})",
+                "session-gate proxy: replica {} is {state} ({why})",
                 self.url.base
             );
         }
@@ -230,16 +237,7 @@ pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Dura
     loop {
         for r in &replicas.list {
             let ok = check(&client, r).await;
-            let was = r.healthy.swap(ok, Ordering::Relaxed);
-            if was != ok {
-                // Its old usage answer would steer new sessions away from (or towards) it.
-                r.probe.forget_usage();
-                eprintln!(
-                    "session-gate proxy: replica {} is {}",
-                    r.url.base,
-                    if ok { "healthy again" } else { "unhealthy" }
-                );
-            }
+            r.set_healthy(ok, "health check");
         }
         replicas.expire_sessions(Duration::from_secs(3600));
         tokio::time::sleep(interval).await;

@@ -54,6 +54,26 @@ pub fn never_sent(e: &hyper_util::client::legacy::Error) -> bool {
     e.is_connect()
 }
 
+/// A POST of `body` to a replica's `uri`: `authority` as the Host, `authorization` (what a
+/// replica run with `--api-key` expects) as the `Authorization` header if given.
+pub fn post_request(
+    uri: &str,
+    authority: &str,
+    authorization: Option<&str>,
+    content_type: &str,
+    body: Bytes,
+) -> Result<Request<Full<Bytes>>, hyper::http::Error> {
+    let mut request = Request::builder()
+        .method(Method::POST)
+        .uri(uri)
+        .header(hyper::header::HOST, authority)
+        .header(hyper::header::CONTENT_TYPE, content_type);
+    if let Some(auth) = authorization {
+        request = request.header(hyper::header::AUTHORIZATION, auth);
+    }
+    request.body(Full::new(body))
+}
+
 /// POSTs `body` to `{base}{path_and_query}` (`authority` as the Host, `authorization` as the
 /// `Authorization` header if given) and reads the answer as JSON, whatever its status; errors
 /// name the URI.
@@ -71,15 +91,8 @@ pub async fn post_for_json(
         message: format!("{uri}: {e}"),
         not_sent: false,
     };
-    let mut request = Request::builder()
-        .method(Method::POST)
-        .uri(&uri)
-        .header(hyper::header::HOST, authority)
-        .header(hyper::header::CONTENT_TYPE, content_type);
-    if let Some(auth) = authorization {
-        request = request.header(hyper::header::AUTHORIZATION, auth);
-    }
-    let request = request.body(Full::new(body)).map_err(|e| fail(&e))?;
+    let request =
+        post_request(&uri, authority, authorization, content_type, body).map_err(|e| fail(&e))?;
     let response = client.request(request).await.map_err(|e| UpstreamError {
         message: format!("{uri}: {e}"),
         not_sent: never_sent(&e),
