@@ -15,14 +15,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from session_gate.engine.serve import start_proxy, start_vllm, stop
-
-ROOT = Path(__file__).resolve().parents[2]
+from session_gate.engine.serve import proxy_binary, start_proxy, start_vllm, stop
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -47,12 +44,7 @@ def run(n: int, prompt_tokens: int, proxy_bin: str | None = None, proxy_args=())
     proxy_proc = None
     try:
         if proxy_bin is None:
-            subprocess.run(
-                ["cargo", "build", "--release", "--quiet", "--bin", "session-gate"],
-                cwd=ROOT,
-                check=True,
-            )
-            proxy_bin = str(ROOT / "target/release/session-gate")
+            proxy_bin = str(proxy_binary(release=True))
         proxy_proc, proxy_url = start_proxy(proxy_bin, vllm_url, workdir, proxy_args)
         port = int(proxy_url.rsplit(":", 1)[1])
         vport = int(vllm_url.rsplit(":", 1)[1])

@@ -7,14 +7,14 @@ import contextlib
 import os
 import random
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from session_gate.engine import serve
 from session_gate.engine.launch import generate
-from session_gate.engine.tiny_tokenizer import WORD_BASE
+from session_gate.engine.tiny_tokenizer import word_ids  # noqa: F401 (the tests import it from here)
 from session_gate.soak.cluster import get_text, metric  # noqa: F401 (the tests import them from here)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,12 +125,6 @@ def served_vllm(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def word_ids(start: int, n: int) -> list[int]:
-    """``n`` token ids the tiny tokenizer has words for, starting at word ``start``."""
-    return [WORD_BASE + (start + i) % (4096 - WORD_BASE) for i in range(n)]
-
-
 def proxy_binary() -> Path:
-    """Build ``session-gate`` (debug) and return its path."""
-    subprocess.run(["cargo", "build", "--quiet", "--bin", "session-gate"], cwd=ROOT, check=True)
-    return ROOT / "target" / "debug" / "session-gate"
+    """Build ``session-gate`` (debug: the tests' build) and return its path."""
+    return serve.proxy_binary(release=False)

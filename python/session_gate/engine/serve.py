@@ -106,6 +106,19 @@ def start_vllm(
     return proc, url
 
 
+#: The checkout this package runs from (``python/session_gate/engine/serve.py`` is 3 levels down).
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def proxy_binary(release: bool = True) -> Path:
+    """Build ``session-gate`` from this checkout (release or debug) and return its path."""
+    profile = ["--release"] if release else []
+    subprocess.run(
+        ["cargo", "build", "--quiet", *profile, "--bin", "session-gate"], cwd=ROOT, check=True
+    )
+    return ROOT / "target" / ("release" if release else "debug") / "session-gate"
+
+
 def start_proxy(
     binary: str | Path, replica_url: str, workdir: Path, extra_args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, str]:

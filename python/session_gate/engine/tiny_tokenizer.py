@@ -37,6 +37,16 @@ def word(token_id: int) -> str:
     return f"w{token_id - WORD_BASE}"
 
 
+def word_ids(start: int, n: int) -> list[int]:
+    """``n`` token ids the tiny tokenizer has words for, starting at word ``start`` (wrapping)."""
+    return [WORD_BASE + (start + i) % (TINY_VOCAB - WORD_BASE) for i in range(n)]
+
+
+def words(start: int, n: int) -> str:
+    """The text of :func:`word_ids` ``(start, n)``: it tokenizes back to those ids."""
+    return " ".join(word(i) for i in word_ids(start, n))
+
+
 def write_tiny_tokenizer(directory: str) -> str:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

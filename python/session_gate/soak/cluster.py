@@ -18,9 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from session_gate.engine.serve import start_proxy, start_vllm, stop
-
-ROOT = Path(__file__).resolve().parents[3]
+from session_gate.engine.serve import proxy_binary, start_proxy, start_vllm, stop
 
 
 @dataclass
@@ -35,15 +33,6 @@ class Engines:
     timeout: float = 900
     #: Added to each engine's environment (the engine gate's ``SESSION_GATE_*`` knobs).
     env: dict[str, str] = field(default_factory=dict)
-
-
-def proxy_binary(release: bool = True) -> Path:
-    """Build ``session-gate`` and return its path."""
-    profile = ["--release"] if release else []
-    subprocess.run(
-        ["cargo", "build", "--quiet", *profile, "--bin", "session-gate"], cwd=ROOT, check=True
-    )
-    return ROOT / "target" / ("release" if release else "debug") / "session-gate"
 
 
 @dataclass

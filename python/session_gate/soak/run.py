@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from session_gate.engine.tiny_tokenizer import word_ids
 from session_gate.soak.bad_input import send_bad_input
 from session_gate.soak.cluster import Cluster, Engines, get_text, metric, samples
-from session_gate.soak.sessions import Sessions, Workload, word_ids
+from session_gate.soak.sessions import Sessions, Workload
 
 
 @dataclass

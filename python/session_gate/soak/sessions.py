@@ -22,18 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-#: Token id of the tiny tokenizer's word ``w0`` (``engine.tiny_tokenizer.WORD_BASE``; not
-#: imported: that module is the engine's).
-WORD_BASE = 6
-VOCAB = 4096
-
-
-def word_ids(start: int, n: int) -> list[int]:
-    return [WORD_BASE + (start + i) % (VOCAB - WORD_BASE) for i in range(n)]
-
-
-def words(start: int, n: int) -> str:
-    return " ".join(f"w{(start + i) % (VOCAB - WORD_BASE)}" for i in range(n))
+from session_gate.engine.tiny_tokenizer import word_ids, words
 
 
 @dataclass
