@@ -368,6 +368,19 @@ struct Turn<'a> {
 
 /// One attempt of a gated request on one replica: tokenize there, acquire its gate, forward.
 async fn gated(proxy: &Arc<Proxy>, replica: &Arc<Replica>, t: Turn<'_>, route: Route) -> Attempt {
+    // Nothing of the turn reached this replica's vLLM (tokenize or admit could not be done
+    // there): counted as rerouted, and the caller tries another replica.
+    let rerouted = |why: String| {
+        proxy.metrics.request(
+            &replica.url.base,
+            t.kind.route(),
+            502,
+            Outcome::Rerouted,
+            0,
+            0.0,
+        );
+        Attempt::NotSent(why)
+    };
     let prompt_ids = match prompt_ids(proxy, replica, t.kind, t.request).await {
         Ok(ids) => ids,
         Err(Attempt::Done(response)) => {
@@ -381,7 +394,7 @@ async fn gated(proxy: &Arc<Proxy>, replica: &Arc<Replica>, t: Turn<'_>, route: R
             );
             return Attempt::Done(response);
         }
-        Err(not_sent) => return not_sent,
+        Err(Attempt::NotSent(why)) => return rerouted(why),
     };
     let acquired = match proxy.config.gate_at {
         GateAt::Proxy => replica
@@ -415,17 +428,7 @@ async fn gated(proxy: &Arc<Proxy>, replica: &Arc<Replica>, t: Turn<'_>, route: R
     };
     let lease = match acquired {
         Ok(lease) => lease,
-        Err(AdmitError::NotSent(why)) => {
-            proxy.metrics.request(
-                &replica.url.base,
-                t.kind.route(),
-                502,
-                Outcome::Rerouted,
-                0,
-                0.0,
-            );
-            return Attempt::NotSent(why);
-        }
+        Err(AdmitError::NotSent(why)) => return rerouted(why),
         Err(AdmitError::Preempted { .. }) => {
             proxy.metrics.preempted(t.session);
             proxy.metrics.request(
@@ -591,10 +594,12 @@ async fn prompt_ids(
         ))
     };
     let timeout = Duration::from_secs_f64(proxy.config.response_timeout_sec);
+    // `/tokenize` changes nothing in vLLM, so any transport failure (refused, or a pooled
+    // connection the dead replica had closed: hyper's `SendRequest`) leaves the turn unsent:
+    // it is tokenized again on another replica rather than answered 502.
     let resp = match tokio::time::timeout(timeout, proxy.client.request(req)).await {
         Ok(Ok(resp)) => resp,
-        Ok(Err(e)) if never_sent(&e) => return Err(Attempt::NotSent(format!("{uri}: {e}"))),
-        Ok(Err(e)) => return Err(upstream_error(&e)),
+        Ok(Err(e)) => return Err(Attempt::NotSent(format!("{uri}: {e}"))),
         Err(_) => {
             return Err(done(gateway_timeout(
                 &uri,
@@ -607,7 +612,7 @@ async fn prompt_ids(
         .into_body()
         .collect()
         .await
-        .map_err(|e| upstream_error(&e))?
+        .map_err(|e| Attempt::NotSent(format!("{uri}: {e}")))?
         .to_bytes();
     if !status.is_success() {
         // vLLM's own error (unknown model, bad messages, …) goes back as it is.

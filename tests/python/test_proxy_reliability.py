@@ -7,8 +7,10 @@ model on CPU, loopback) and ``session-gate proxy`` in front of it.
   reaches vLLM untouched (vLLM accepts or refuses it); the proxy's own calls to the replica use
   ``--replica-api-key`` (both ``--gate-at proxy`` and ``--gate-at engine``).
 - A body over ``--max-body-bytes`` gets 413 with a JSON error naming the flag.
-- A replica the proxy still believes healthy but that refuses connections: the turn goes to
-  the live replica (the session re-pinned there), never a 502, and the proxy counts it rerouted.
+- A replica the proxy still believes healthy but that refuses connections, or that drops the
+  connection of its ``/tokenize`` call (nothing a turn changes is sent before the tokens come
+  back): the turn goes to the live replica (the session re-pinned there), never a 502, and the
+  proxy counts it rerouted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary, word_ids
 from session_gate.engine.serve import start_proxy, start_vllm, stop
+from session_gate.engine.tiny_tokenizer import words
 
 KEY = "vllm-secret"
 PROXY_KEY = "proxy-secret"
@@ -57,6 +60,15 @@ class _HealthOnly(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class _DropsTokenize(_HealthOnly):
+    """Passes health checks; reads a POST (``/tokenize``) and closes the connection unanswered,
+    as a replica killed mid-call does."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.close_connection = True
 
 
 @pytest.fixture(scope="module")
@@ -144,22 +156,24 @@ def test_proxy_keys_pass_through_and_body_limit(server, gate_at):
         stop(proxy)
 
 
-def test_refused_connection_goes_to_the_live_replica(server):
-    """A replica that passed its health check and then went away (connection refused) before
-    the next check: turns pinned to it go to the live replica, not 502."""
+def _turns_go_to_the_live_replica(server, ghost_handler, prompt) -> None:
+    """Four sessions' turns through a proxy whose first replica (where ties send new sessions)
+    is a ghost it believes healthy: all answered 200 by the live replica, every ghost failure
+    counted rerouted (none answered 502), the ghost marked unhealthy."""
     url, workdir = server
-    ghost = ThreadingHTTPServer(("127.0.0.1", 0), _HealthOnly)
+    ghost = ThreadingHTTPServer(("127.0.0.1", 0), ghost_handler)
     ghost_url = f"http://127.0.0.1:{ghost.server_address[1]}"
     thread = threading.Thread(target=ghost.serve_forever, daemon=True)
     thread.start()
-    # The ghost first in the list: on a tie, new sessions go to it.
     args = ["--replica", url, "--replica-api-key", KEY, "--health-interval-sec", "3600"]
     proxy, proxy_url = start_proxy(proxy_binary(), ghost_url, workdir, args)
     try:
-        ghost.shutdown()
-        ghost.server_close()
-        thread.join(5)
-        body = json.dumps({"model": "tiny", "prompt": word_ids(500, 30), "max_tokens": 1})
+        if ghost_handler is _HealthOnly:
+            # Gone after its health check: connections are refused.
+            ghost.shutdown()
+            ghost.server_close()
+            thread.join(5)
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1})
         for k in range(4):
             status, answer = call(
                 f"{proxy_url}/sess/r{k}/v1/completions", body.encode(), f"Bearer {KEY}"
@@ -178,3 +192,19 @@ def test_refused_connection_goes_to_the_live_replica(server):
         )
     finally:
         stop(proxy)
+        if ghost_handler is not _HealthOnly:
+            ghost.shutdown()
+            ghost.server_close()
+
+
+def test_refused_connection_goes_to_the_live_replica(server):
+    """A replica that passed its health check and then went away (connection refused) before
+    the next check: turns pinned to it go to the live replica, not 502."""
+    _turns_go_to_the_live_replica(server, _HealthOnly, word_ids(500, 30))
+
+
+def test_dropped_tokenize_goes_to_the_live_replica(server):
+    """A replica whose ``/tokenize`` connection breaks after the request was written (the soak
+    run's killed replica: hyper's ``SendRequest`` on a pooled connection): tokenizing changes
+    nothing in vLLM, so the turn is tokenized and served on the live replica, not 502."""
+    _turns_go_to_the_live_replica(server, _DropsTokenize, words(500, 30))
