@@ -241,9 +241,11 @@ pub async fn acquire(
     };
     let (status, value) = match answer {
         Ok(answer) => answer,
-        // Never reached the engine: nothing to cancel there; the caller may go elsewhere.
-        Err(e) if e.not_sent => {
-            pending.answered = true;
+        // The exchange broke (a dead or dying replica): an admit only reserves cache, so the
+        // turn may go elsewhere. If it reached the engine at all, the pending guard's cancel
+        // ends the attempt there (a grant whose answer was lost expires with its lease TTL).
+        Err(e) if e.broke => {
+            pending.answered = e.not_sent;
             return Err(AdmitError::NotSent(e.message));
         }
         Err(e) => return Err(failed(StatusCode::BAD_GATEWAY, e.message)),

@@ -26,13 +26,17 @@ pub fn client(connect_timeout: Duration) -> Client {
 }
 
 /// A failed call to a replica; `not_sent` when the connection could not even be opened (the
-/// request never reached the replica, so it may go elsewhere).
+/// request never reached the replica, so it may go elsewhere); `broke` when the exchange
+/// itself failed (not sent, or the connection broke before the whole answer was read), as
+/// opposed to an answer that came back unreadable.
 #[derive(Debug, Clone)]
 pub struct UpstreamError {
     /// What failed, naming the URI.
     pub message: String,
     /// The connection failed before any byte of the request was sent.
     pub not_sent: bool,
+    /// The connection failed before the whole answer was read (implied by `not_sent`).
+    pub broke: bool,
 }
 
 impl std::fmt::Display for UpstreamError {
@@ -87,26 +91,34 @@ pub async fn post_for_json(
     body: Bytes,
 ) -> Result<(StatusCode, Value), UpstreamError> {
     let uri = format!("{base}{path_and_query}");
-    let fail = |e: &dyn std::fmt::Display| UpstreamError {
+    let broke = |e: &dyn std::fmt::Display, not_sent: bool| UpstreamError {
         message: format!("{uri}: {e}"),
-        not_sent: false,
+        not_sent,
+        broke: true,
     };
     let request =
-        post_request(&uri, authority, authorization, content_type, body).map_err(|e| fail(&e))?;
-    let response = client.request(request).await.map_err(|e| UpstreamError {
-        message: format!("{uri}: {e}"),
-        not_sent: never_sent(&e),
-    })?;
+        post_request(&uri, authority, authorization, content_type, body).map_err(|e| {
+            UpstreamError {
+                message: format!("{uri}: {e}"),
+                not_sent: false,
+                broke: false,
+            }
+        })?;
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| broke(&e, never_sent(&e)))?;
     let status = response.status();
     let bytes = response
         .into_body()
         .collect()
         .await
-        .map_err(|e| fail(&e))?
+        .map_err(|e| broke(&e, false))?
         .to_bytes();
     let value = serde_json::from_slice(&bytes).map_err(|e| UpstreamError {
         message: format!("{uri} answered {status} with non-JSON ({e})"),
         not_sent: false,
+        broke: false,
     })?;
     Ok((status, value))
 }

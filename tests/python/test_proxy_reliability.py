@@ -62,9 +62,9 @@ class _HealthOnly(BaseHTTPRequestHandler):
         pass
 
 
-class _DropsTokenize(_HealthOnly):
-    """Passes health checks; reads a POST (``/tokenize``) and closes the connection unanswered,
-    as a replica killed mid-call does."""
+class _DropsPosts(_HealthOnly):
+    """Passes health checks; reads a POST (``/tokenize``, the engine gate's admit) and closes
+    the connection unanswered, as a replica killed mid-call does."""
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers.get("content-length", 0)))
@@ -156,7 +156,7 @@ def test_proxy_keys_pass_through_and_body_limit(server, gate_at):
         stop(proxy)
 
 
-def _turns_go_to_the_live_replica(server, ghost_handler, prompt) -> None:
+def _turns_go_to_the_live_replica(server, ghost_handler, prompt, gate_at="proxy") -> None:
     """Four sessions' turns through a proxy whose first replica (where ties send new sessions)
     is a ghost it believes healthy: all answered 200 by the live replica, every ghost failure
     counted rerouted (none answered 502), the ghost marked unhealthy."""
@@ -165,7 +165,8 @@ def _turns_go_to_the_live_replica(server, ghost_handler, prompt) -> None:
     ghost_url = f"http://127.0.0.1:{ghost.server_address[1]}"
     thread = threading.Thread(target=ghost.serve_forever, daemon=True)
     thread.start()
-    args = ["--replica", url, "--replica-api-key", KEY, "--health-interval-sec", "3600"]
+    args = ["--replica", url, "--replica-api-key", KEY, "--health-interval-sec", "3600",
+            "--gate-at", gate_at]  # fmt: skip
     proxy, proxy_url = start_proxy(proxy_binary(), ghost_url, workdir, args)
     try:
         if ghost_handler is _HealthOnly:
@@ -203,8 +204,11 @@ def test_refused_connection_goes_to_the_live_replica(server):
     _turns_go_to_the_live_replica(server, _HealthOnly, word_ids(500, 30))
 
 
-def test_dropped_tokenize_goes_to_the_live_replica(server):
-    """A replica whose ``/tokenize`` connection breaks after the request was written (the soak
-    run's killed replica: hyper's ``SendRequest`` on a pooled connection): tokenizing changes
-    nothing in vLLM, so the turn is tokenized and served on the live replica, not 502."""
-    _turns_go_to_the_live_replica(server, _DropsTokenize, words(500, 30))
+@pytest.mark.parametrize("gate_at", ["proxy", "engine"])
+def test_dropped_connection_goes_to_the_live_replica(server, gate_at):
+    """A replica whose connection breaks after the request was written (the soak run's killed
+    replica: hyper's ``SendRequest`` on a pooled connection), at ``/tokenize`` (a text prompt)
+    or at the engine gate's admit (token ids, ``--gate-at engine``): neither starts anything
+    in vLLM, so the turn is served on the live replica, not 502."""
+    prompt = words(500, 30) if gate_at == "proxy" else word_ids(500, 30)
+    _turns_go_to_the_live_replica(server, _DropsPosts, prompt, gate_at)
