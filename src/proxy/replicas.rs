@@ -128,16 +128,22 @@ impl Replicas {
         })
     }
 
-    fn best(&self) -> Option<usize> {
-        let mut best: Option<(usize, f64, u64)> = None;
+    /// The healthy replica with the least pressure; on a tie, the one with the fewest sessions
+    /// pinned to it. Pins, not leases: a burst of new sessions is placed before any of them is
+    /// admitted (pressure and leases are still equal), and must not all land on the first one.
+    fn best(&self, sessions: &HashMap<String, Sticky>) -> Option<usize> {
+        let mut pinned = vec![0usize; self.list.len()];
+        for s in sessions.values() {
+            pinned[s.replica] += 1;
+        }
+        let mut best: Option<(usize, f64, usize)> = None;
         for (i, r) in self.list.iter().enumerate() {
             if !r.is_healthy() {
                 continue;
             }
             let p = r.pressure();
-            let active = r.gate.stats().leases_active;
-            if best.is_none_or(|(_, bp, ba)| p < bp || (p == bp && active < ba)) {
-                best = Some((i, p, active));
+            if best.is_none_or(|(_, bp, bn)| p < bp || (p == bp && pinned[i] < bn)) {
+                best = Some((i, p, pinned[i]));
             }
         }
         best.map(|(i, ..)| i)
@@ -147,32 +153,23 @@ impl Replicas {
     pub fn route_session(&self, session_id: &str) -> Option<Route> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        if let Some(s) = sessions.get_mut(session_id) {
-            let mut moved_from = None;
-            if !self.list[s.replica].is_healthy() {
-                moved_from = Some(std::mem::replace(&mut s.replica, self.best()?));
-            }
-            s.turns += 1;
-            s.last_seen = now;
-            return Some(Route {
-                index: s.replica,
-                turn: s.turns,
-                moved_from,
-            });
-        }
-        let index = self.best()?;
-        sessions.insert(
-            session_id.to_string(),
-            Sticky {
-                replica: index,
-                turns: 1,
-                last_seen: now,
-            },
-        );
+        let pinned = sessions.get(session_id).map(|s| s.replica);
+        let home = match pinned {
+            Some(r) if self.list[r].is_healthy() => r,
+            _ => self.best(&sessions)?,
+        };
+        let sticky = sessions.entry(session_id.to_string()).or_insert(Sticky {
+            replica: home,
+            turns: 0,
+            last_seen: now,
+        });
+        sticky.replica = home;
+        sticky.turns += 1;
+        sticky.last_seen = now;
         Some(Route {
-            index,
-            turn: 1,
-            moved_from: None,
+            index: home,
+            turn: sticky.turns,
+            moved_from: pinned.filter(|&r| r != home),
         })
     }
 
@@ -241,5 +238,52 @@ pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Dura
         }
         replicas.expire_sessions(Duration::from_secs(3600));
         tokio::time::sleep(interval).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::config::{ProxyArgs, ProxyConfig};
+
+    fn replicas(n: usize) -> Replicas {
+        let args = ProxyArgs {
+            replicas: (0..n)
+                .map(|i| format!("http://127.0.0.1:{}", 9 + i))
+                .collect(),
+            ..Default::default()
+        };
+        let config = ProxyConfig::from_toml(&args, "").unwrap();
+        let client = super::super::upstream::client(Duration::from_secs(1));
+        Replicas::new(&config, &client).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_burst_of_new_sessions_is_spread_over_idle_replicas() {
+        // No usage answers and nothing admitted yet: every replica's pressure is equal.
+        let r = replicas(3);
+        let mut per_replica = [0; 3];
+        for k in 0..12 {
+            per_replica[r.route_session(&format!("s{k}")).unwrap().index] += 1;
+        }
+        assert_eq!(per_replica, [4, 4, 4]);
+        // A known session stays where it is pinned.
+        let home = r.session_replica("s5").unwrap();
+        assert_eq!(r.route_session("s5").unwrap().index, home);
+        assert_eq!(r.route_session("s5").unwrap().turn, 3);
+    }
+
+    #[tokio::test]
+    async fn a_session_on_an_unhealthy_replica_moves_and_says_from_where() {
+        let r = replicas(2);
+        let first = r.route_session("a").unwrap();
+        assert_eq!(first.moved_from, None);
+        r.list[first.index].mark_unhealthy("test");
+        let next = r.route_session("a").unwrap();
+        assert_eq!(next.moved_from, Some(first.index));
+        assert_ne!(next.index, first.index);
+        assert_eq!(next.turn, 2);
+        r.list[next.index].mark_unhealthy("test");
+        assert!(r.route_session("a").is_none(), "no healthy replica left");
     }
 }

@@ -85,7 +85,8 @@ async def _fresh_sessions(cluster: Cluster, n: int) -> dict[str, int]:
 
         async def one(k: int) -> None:
             # Staggered and long enough that earlier ones still hold their reservation when
-            # later ones are placed: on a tie the first replica wins.
+            # later ones are placed: on a pressure tie the replica with fewer pinned sessions
+            # wins, and the restarted one starts with none.
             await asyncio.sleep(0.1 * k)
             body = {"model": "tiny", "prompt": word_ids(5000 + 50 * k, 24), "max_tokens": 32}
             r = await http.post(f"{cluster.proxy_url}/sess/post-{k}/v1/completions", json=body)
