@@ -367,6 +367,12 @@ def main() -> None:
         "speedup_ceiling": gpu["speedup_ceiling"],
         "full_probe_target_reachable": gpu["full_probe_target_reachable"],
         "gpu_sized_block16": gpu,
+        "notes": [
+            "incremental_probe_us* are warm (straight after the session's previous probe); "
+            "incremental_probe_cold_us* follow 64 MB written in between, as after model steps",
+            "speedup and speedup_ceiling divide by vLLM's path timed in this run: the VM's speed "
+            "drifts between runs, so compare within one run",
+        ],
     }
     if engine is not None:
         result.update(
