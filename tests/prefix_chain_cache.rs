@@ -463,3 +463,67 @@ fn witnesses_never_change_an_answer() {
     }
     assert!(rechecked > 100, "witnesses were used ({rechecked})");
 }
+
+/// A [`ModelPool`] that records which witnesses the walk asked to prefetch, and when.
+struct PrefetchSpy {
+    pool: ModelPool,
+    prefetched: std::cell::RefCell<HashSet<(usize, u64)>>,
+    /// Re-checked witnesses that had not been requested before their check.
+    unrequested: usize,
+    checked: usize,
+}
+
+impl Residency for PrefetchSpy {
+    type Witness = (usize, u64);
+
+    fn lookup(&mut self, hash: &BlockHash) -> Lookup<(usize, u64)> {
+        self.pool.lookup(hash)
+    }
+
+    fn still_resident(&mut self, witnesses: &[Option<(usize, u64)>]) -> usize {
+        let proven = self.pool.still_resident(witnesses);
+        for w in witnesses[..proven].iter().flatten() {
+            self.checked += 1;
+            self.unrequested += usize::from(!self.prefetched.borrow().contains(w));
+        }
+        proven
+    }
+
+    fn prefetch(&self, witnesses: &[Option<(usize, u64)>]) {
+        self.prefetched
+            .borrow_mut()
+            .extend(witnesses.iter().flatten());
+    }
+}
+
+/// Every block a walk re-checks through its witness was requested ahead (the loads overlap the
+/// checks), at chain lengths on and off the 64-block segment boundaries, and the hint changes
+/// no answer.
+#[test]
+fn rechecked_witnesses_are_prefetched_first() {
+    for blocks in [1, 63, 64, 65, 128, 130, 200] {
+        let mut h = hasher();
+        let tokens = prompt(BS * blocks + 1, 7);
+        let mut spy = PrefetchSpy {
+            pool: ModelPool {
+                blocks: vec![None; blocks],
+                ..ModelPool::default()
+            },
+            prefetched: Default::default(),
+            unrequested: 0,
+            checked: 0,
+        };
+        for (i, hash) in reference(&tokens).into_iter().enumerate() {
+            spy.pool.cache(hash, i);
+        }
+        let mut cache: ChainCache<(usize, u64)> = ChainCache::new(1 << 20);
+        cache.walk(Some("s"), &tokens, BS, &mut h, &mut spy);
+        let again = cache.walk(Some("s"), &tokens, BS, &mut h, &mut spy);
+        assert_eq!((again.hit_blocks, again.blocks_rechecked), (blocks, blocks));
+        assert_eq!(
+            (spy.checked, spy.unrequested),
+            (blocks, 0),
+            "{blocks} blocks"
+        );
+    }
+}

@@ -225,8 +225,21 @@ impl<W> Chain<W> {
         let mut rechecked = 0;
         let mut missed = false;
         let mut prefetched = 0;
+        // Each re-check reads one engine block object, scattered over the pool and cold after
+        // a model step; the next segment's are requested before this one's are checked, so
+        // their loads overlap the checks instead of waiting one at a time.
+        let mut requested = 0;
         while hits < vouched {
             let end = vouched.min((hits / SEGMENT_BLOCKS + 1) * SEGMENT_BLOCKS);
+            if requested < end {
+                res.prefetch(self.witness_run(hits, end));
+                requested = end;
+            }
+            if requested == end && end < vouched {
+                let next = vouched.min(end + SEGMENT_BLOCKS);
+                res.prefetch(self.witness_run(end, next));
+                requested = next;
+            }
             let proven = res.still_resident(self.witness_run(hits, end));
             hits += proven;
             rechecked += proven;

@@ -30,6 +30,13 @@ pub trait Residency {
     /// block is cached under the hash they were taken for. Stops at the first that does not (or
     /// is `None`); returning 0 is always correct, only slower.
     fn still_resident(&mut self, witnesses: &[Option<Self::Witness>]) -> usize;
+
+    /// A hint that `witnesses` will be re-checked soon: start loading what
+    /// [`Residency::still_resident`] will read for them. It must not change any answer; the
+    /// default does nothing.
+    fn prefetch(&self, witnesses: &[Option<Self::Witness>]) {
+        let _ = witnesses;
+    }
 }
 
 /// The witness of a residency that has none (it cannot be constructed).

@@ -19,10 +19,6 @@ use super::block_pool::member_offset;
 use crate::hashing::BlockHash;
 use crate::prefix::{Lookup, Residency};
 
-/// Witnesses this far ahead are prefetched while one is re-checked: block objects are scattered
-/// over the pool and usually cold after a model step.
-const PREFETCH_AHEAD: usize = 8;
-
 /// Where `KVCacheBlock` keeps its primary hash; witnesses are only taken for this exact type.
 pub(super) struct HashSlot {
     block_type: Py<PyType>,
@@ -200,15 +196,24 @@ impl Residency for MapResidency<'_, '_> {
             let Some(w) = witness else {
                 return i;
             };
-            if let Some(Some(ahead)) = witnesses.get(i + PREFETCH_AHEAD) {
-                prefetch(ahead.block.as_ptr(), slot.offset);
-            }
             // SAFETY: we hold the GIL (a `Bound` proves it) and the witness keeps the block alive.
             if unsafe { slot.hash_of(w.block.as_ptr()) } != w.hash.as_ptr() {
                 return i;
             }
         }
         witnesses.len()
+    }
+
+    /// Requests each witness's block object (its header and hash slot) a whole segment before
+    /// it is re-checked: the objects are scattered over the pool and usually cold after a model
+    /// step, and a fixed few blocks ahead (8, before) hid too little of each load.
+    fn prefetch(&self, witnesses: &[Option<BlockWitness>]) {
+        let Some(slot) = self.slot else {
+            return;
+        };
+        for w in witnesses.iter().flatten() {
+            prefetch(w.block.as_ptr(), slot.offset);
+        }
     }
 }
 
