@@ -159,7 +159,8 @@ typedef struct sg_config {
     /** How long a waiter sleeps before looking again when nobody wakes it. > 0 s, default 5. */
     double wait_poll_sec;
     /** How long a released `retain_session` reservation stays as an idle grace window.
-     * >= 0 s, default 60. */
+     * >= 0 s, default 60. With committed pressure, after half of it (or 8 of the session's
+     * mean turn times, if longer) the window may yield its room to the head of the queue. */
     double idle_grace_sec;
     /** `SG_PRESSURE_COMMITTED` (default) or `SG_PRESSURE_ENGINE`. */
     sg_pressure pressure;

@@ -264,6 +264,9 @@ async fn grace_expiry_wakes_the_head_waiter() {
         },
     );
     let mut agent = acquire(&g, "agent", 80, true).await;
+    // A 2 s turn: 8 of them (16 s) outlast the 10 s window, so it never yields to the waiter
+    // (gate::core, "Yielding idle room") and only the window's end lets it in.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     agent.release();
     let lease = acquire(&g, "cold", 20, false).await;
     assert_eq!(lease.reason(), Reason::Open);

@@ -244,7 +244,9 @@ class SessionGate:
         (the seed's ``admit(session_id, prompt_ids)``) the working set counts the config's
         ``default_max_tokens`` instead, so pass the turn's real one when you know it.
         ``retain_session`` keeps the session's reservation for ``idle_grace_sec`` after
-        release, so the next turn (after a tool call) re-enters as ``reserved_session``.
+        release, so the next turn (after a tool call) re-enters as ``reserved_session``; after
+        half of that window (or 8 of the session's mean turn times, if longer) it may yield
+        its room to a waiting session that fits only without it.
 
         Raises ``AdmissionPreempted`` when a newer attempt for the same session arrives while
         this one waits. Cancelling the waiting task removes the attempt from the queue.

@@ -47,7 +47,9 @@ pub struct GateConfig {
     /// How long a waiter sleeps before looking again when nobody wakes it. > 0 s, default 5.
     pub wait_poll_sec: f64,
     /// How long a released `retain_session` reservation stays as an idle grace window. ≥ 0 s,
-    /// default 60.
+    /// default 60. In committed mode a window may yield its room to the head of the queue
+    /// after half of it (or 8 of its session's mean turn times, if longer): `gate::core`,
+    /// "Yielding idle room".
     pub idle_grace_sec: f64,
     /// What the watermark is compared with. Default [`Pressure::Committed`].
     pub pressure: Pressure,

@@ -86,6 +86,15 @@ impl Ledger {
         self.expiries.remove(&(TimeKey(until), age));
     }
 
+    /// Reservations in their grace window, the one idle longest (earliest end) first:
+    /// (end of the window, session slot, age, working set in blocks).
+    pub(crate) fn idle(&self) -> impl Iterator<Item = (f64, u32, u64, u64)> + '_ {
+        self.expiries.iter().map(|(&(t, age), &slot)| {
+            let ws = self.by_age.get(&age).copied().unwrap_or(0);
+            (t.0, slot, age, ws)
+        })
+    }
+
     /// Earliest end of an idle grace window.
     pub(crate) fn next_expiry(&self) -> Option<f64> {
         self.expiries.keys().next().map(|(t, _)| t.0)

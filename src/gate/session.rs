@@ -20,6 +20,19 @@ pub(crate) struct Reservation {
     pub(crate) retain: bool,
     /// End of the idle grace window, while no lease holds it.
     pub(crate) idle_until: Option<f64>,
+    /// Admission-to-release seconds of the turns released while it was held, summed, and
+    /// how many: their mean is the session's own turn time, which decides when an idle
+    /// window may yield (`gate::core`, "Yielding idle room").
+    pub(crate) turn_sec_sum: f64,
+    pub(crate) turns: u32,
+}
+
+impl Reservation {
+    /// Mean admission-to-release time of the session's turns under this reservation; `None`
+    /// before one was released.
+    pub(crate) fn mean_turn_sec(&self) -> Option<f64> {
+        (self.turns > 0).then(|| self.turn_sec_sum / f64::from(self.turns))
+    }
 }
 
 /// What the core remembers about one session. Dropped as soon as nothing refers to it.

@@ -76,6 +76,8 @@ async def test_a_lease_carries_the_gates_fields(gate):
 
 async def test_idle_grace_expiry_admits_a_waiter_while_the_engine_is_idle(gate):
     big = await gate.acquire("grace", prompt(2, 1200), 16)  # 38 blocks
+    # A 0.3 s turn: 8 of them (2.4 s) outlast the window, so it never yields to the waiter.
+    await asyncio.sleep(0.3)
     await big.arelease()  # its reservation stays for idle_grace_sec (2 s)
     started = time.monotonic()
     lease = await gate.acquire("cold-1", prompt(3, 700), 16)  # 23 blocks: 61 > 53.55

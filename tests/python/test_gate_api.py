@@ -289,7 +289,8 @@ async def test_a_waiter_is_admitted_when_a_session_finishes():
 async def test_an_expired_grace_window_lets_the_head_waiter_in():
     gate, _ = make_gate(idle_grace_sec=0.2)
     async with gate.admit("a", prompt(60), max_tokens=0):
-        pass
+        # A 0.05 s turn: 8 of them (0.4 s) outlast the window, so it never yields early.
+        await asyncio.sleep(0.05)
     b = spawn(gate, "b", 40)
     lease = await asyncio.wait_for(b, PROMPT_TIMEOUT)
     assert lease.reason == "open"

@@ -1,12 +1,13 @@
 //! The decision tree (see the [`core`](super) module docs): pure reads of the core's state plus
-//! the one state change a decision can make, revoking the asking session's reservation.
-use super::{Attempt, GateCore, Hit, Step};
+//! the state changes a decision can make: revoking the asking session's reservation, and idle
+//! reservations yielding their room to the head of the queue.
+use super::{Attempt, GateCore, Hit, Step, YIELD_AFTER_TURNS, YIELD_FLOOR_OF_GRACE};
 use crate::gate::config::Pressure;
 use crate::gate::types::Reason;
 
 impl GateCore {
     /// Steps 1–2 of the tree, once this cycle's usage answer is in.
-    pub(super) fn decide_on_usage(&mut self, id: u64) -> Step {
+    pub(super) fn decide_on_usage(&mut self, id: u64, now: f64) -> Step {
         let a = &self.attempts[&id];
         let (slot, order, usage) = (a.slot, a.order, a.usage);
         let ws = self.blocks(a.ws_tokens);
@@ -68,11 +69,68 @@ impl GateCore {
                         if usage < hw && (committed + ws) as f64 <= line {
                             return Step::Admit(Reason::Open);
                         }
+                        if usage < hw && self.yield_idle(ws, line, now) {
+                            return Step::Admit(Reason::Open);
+                        }
                     }
                 }
                 Step::Prefix
             }
         }
+    }
+
+    /// Yielding idle room (module docs): idle reservations that may yield by `now` are
+    /// dropped, longest idle first, if dropping them lets a working set of `ws` blocks fit
+    /// under `line`; otherwise nothing is dropped. Returns whether it fits.
+    fn yield_idle(&mut self, ws: u64, line: f64, now: f64) -> bool {
+        let committed = self.ledger.committed();
+        let mut take = Vec::new();
+        let mut freed = 0;
+        for (until, slot, age, blocks) in self.ledger.idle() {
+            if (committed - freed + ws) as f64 <= line {
+                break;
+            }
+            if self.may_yield_at(slot, until).is_some_and(|t| t <= now) {
+                freed += blocks;
+                take.push((slot, age));
+            }
+        }
+        if take.is_empty() || (committed - freed + ws) as f64 > line {
+            return false;
+        }
+        for (slot, age) in take {
+            if self.sessions.get(slot).reservation.as_ref().map(|r| r.age) == Some(age) {
+                self.drop_reservation(slot);
+                self.sessions.gc(slot);
+                self.stats.revocations += 1;
+            }
+        }
+        self.epoch += 1;
+        true
+    }
+
+    /// When the idle reservation of `slot`, whose grace window ends at `until`, may yield:
+    /// once idle [`YIELD_AFTER_TURNS`] of its session's mean turn times and
+    /// [`YIELD_FLOOR_OF_GRACE`] of `idle_grace_sec`. `None` if it has no turn time yet.
+    pub(super) fn may_yield_at(&self, slot: u32, until: f64) -> Option<f64> {
+        let turn = self
+            .sessions
+            .get(slot)
+            .reservation
+            .as_ref()?
+            .mean_turn_sec()?;
+        let grace = self.cfg.idle_grace_sec;
+        let after = (YIELD_AFTER_TURNS * turn).max(YIELD_FLOOR_OF_GRACE * grace);
+        Some(until - grace + after)
+    }
+
+    /// The earliest time after `now` at which an idle reservation may yield, if any.
+    pub(super) fn next_yield(&self, now: f64) -> Option<f64> {
+        self.ledger
+            .idle()
+            .filter_map(|(until, slot, _, _)| self.may_yield_at(slot, until))
+            .filter(|&t| t > now)
+            .min_by(f64::total_cmp)
     }
 
     /// Steps 3–4, once the prefix answer is in.

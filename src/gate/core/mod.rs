@@ -16,12 +16,32 @@
 //!    watermark, the updated committed set fits under `line` and FIFO allows it, else
 //!    `reserved_session`.
 //! 2. Cold, and FIFO allows it (see below): `open` when nothing is committed (so an oversize
-//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`.
+//!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`, or
+//!    when usage < watermark and idle reservations may yield enough room (see "Yielding idle
+//!    room").
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
 //!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
 //! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
 //!
 //! Every admission takes (or renews) the session's reservation.
+//!
+//! **Yielding idle room.** A reservation in its idle grace window (its session is between
+//! turns, e.g. running a tool) may give its room to the attempt at the head of the queue once
+//! it has been idle for both
+//! - [`YIELD_AFTER_TURNS`] (8) of its session's own mean turn times (admission to release of
+//!   the leases that held this reservation), and
+//! - [`YIELD_FLOOR_OF_GRACE`] (half) of `idle_grace_sec`.
+//!
+//! It yields only to a cold attempt that FIFO lets take free room and that does not fit
+//! otherwise, longest idle first, and only if dropping them makes it fit; otherwise nothing is
+//! dropped. A yielded reservation counts as a revocation; its session's next turn is a cold
+//! attempt like a new one. The head of the queue is woken when the next idle reservation may
+//! yield. Why: re-prefilling a session's context costs at most about one of its turns, so once
+//! it has been idle for many of its turns, holding its room has cost the waiters more than
+//! its re-prefill will. So `idle_grace_sec` means: a session between turns holds its room for
+//! at least half of `idle_grace_sec` (more if its turns are slow) and at most all of it; with
+//! nobody waiting, or a head that would not fit anyway, it holds the whole window. With the
+//! default 60 s, sessions whose tools return within 30 s never lose their room to a waiter.
 //!
 //! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
@@ -56,7 +76,8 @@
 //! waiters that can gain (the head of the queue, preempted attempts) do any work.
 //!
 //! `Wait { until }` is the earliest of `now + wait_poll_sec`, `begin + max_wait_sec`, and — for
-//! the head of the queue — the end of the next idle grace window, whose purge may let it in.
+//! the head of the queue — the end of the next idle grace window, whose purge may let it in,
+//! and the next time an idle reservation may yield.
 //! A usage reading taken before the epoch last moved is not trusted for a decision to wait: the
 //! attempt starts a fresh cycle instead (usage is cached for one cycle, never across a release).
 use std::collections::{BTreeMap, HashMap};
@@ -72,6 +93,12 @@ use super::types::{
     Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,
 };
 use crate::error::{Error, Result};
+
+/// An idle reservation may yield once idle this many of its session's own mean turn times
+/// (module docs, "Yielding idle room"). Not a knob: chosen once on the whole twin matrix.
+pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
+/// ... and at least this fraction of `idle_grace_sec` (module docs, as above).
+pub(crate) const YIELD_FLOOR_OF_GRACE: f64 = 0.5;
 
 /// Cache geometry from the latest valid usage report.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -128,6 +155,8 @@ struct LeaseRec {
     /// Age of the reservation this lease holds, if any. A lease outliving its reservation
     /// (finished, revoked) must not touch the session's next one.
     reservation: Option<u64>,
+    /// When it was admitted: its duration is one of its session's turn times.
+    admitted_at: f64,
 }
 
 enum Step {
@@ -270,7 +299,7 @@ impl GateCore {
                 }
                 Step::Restart
             }
-            Phase::Decide => self.decide_on_usage(id),
+            Phase::Decide => self.decide_on_usage(id, now),
             Phase::DecidePrefix => self.decide_on_prefix(id, now),
         };
         Ok(match step {
@@ -488,11 +517,15 @@ impl GateCore {
             until = until.min(a.started + m);
         }
         let order = a.order;
-        // The head also wakes when a grace window ends, since that frees room for it.
-        if self.may_open(order)
-            && let Some(t) = self.ledger.next_expiry()
-        {
-            until = until.min(t.max(now));
+        // The head also wakes when a grace window ends, or an idle reservation may yield,
+        // since either can free room for it.
+        if self.may_open(order) {
+            if let Some(t) = self.ledger.next_expiry() {
+                until = until.min(t.max(now));
+            }
+            if let Some(t) = self.next_yield(now) {
+                until = until.min(t);
+            }
         }
         let a = self.attempt_mut(id);
         a.phase = Phase::Waiting {
@@ -555,6 +588,8 @@ impl GateCore {
                         holders: 1,
                         retain: a.retain,
                         idle_until: None,
+                        turn_sec_sum: 0.0,
+                        turns: 0,
                     });
                     reservation = Some(age);
                 }
@@ -568,6 +603,7 @@ impl GateCore {
             LeaseRec {
                 slot: a.slot,
                 reservation,
+                admitted_at: now,
             },
         );
         let wait_sec = (now - a.started).max(0.0);
@@ -611,6 +647,8 @@ impl GateCore {
             && rec.reservation == Some(res.age)
         {
             res.holders -= 1;
+            res.turn_sec_sum += (now - rec.admitted_at).max(0.0);
+            res.turns += 1;
             if res.holders == 0 {
                 if res.retain && grace > 0.0 {
                     let until = now + grace;

@@ -1,0 +1,138 @@
+//! Yielding idle room (module docs of `gate::core`), under a deterministic clock: a reservation
+//! idle for eight of its session's own mean turn times, and for half of `idle_grace_sec`, gives
+//! its room to the head of the queue, and only when that makes it fit.
+use session_gate::gate::testing::usage_report;
+use session_gate::gate::{
+    Action, Admission, AttemptId, GateConfig, GateCore, LeaseId, PrefixReport, Reason,
+};
+
+/// 100 blocks of 16 tokens: the watermark line (0.85) is at 85 blocks.
+const BLOCKS: u64 = 100;
+const BS: usize = 16;
+
+fn core() -> GateCore {
+    GateCore::new(GateConfig::default()).unwrap()
+}
+
+/// Polls `id` at `now` (usage 0.1, no resident prefix) until it is admitted or told to wait.
+fn drive(core: &mut GateCore, id: AttemptId, now: f64) -> Action {
+    for _ in 0..16 {
+        match core.poll(id, now).unwrap() {
+            Action::ProbeUsage => core
+                .on_usage(id, Ok(usage_report(0.1, BLOCKS, BS as u64)), now)
+                .unwrap(),
+            Action::ProbePrefix => core
+                .on_prefix(id, Ok(PrefixReport::default()), now)
+                .unwrap(),
+            action => return action,
+        }
+    }
+    panic!("attempt {id:?} kept asking for probes");
+}
+
+fn admitted(action: Action) -> Admission {
+    match action {
+        Action::Admit(a) => a,
+        other => panic!("expected an admission, got {other:?}"),
+    }
+}
+
+fn waits(action: &Action) -> bool {
+    matches!(action, Action::Wait { .. })
+}
+
+/// One turn of `blocks` blocks of prompt (no max_tokens), with an ownership window.
+fn turn(core: &mut GateCore, session: &str, blocks: usize, now: f64) -> (AttemptId, Action) {
+    let id = core.begin(session, blocks * BS, 0, true, now);
+    (id, drive(core, id, now))
+}
+
+fn lease(core: &mut GateCore, session: &str, blocks: usize, now: f64) -> LeaseId {
+    admitted(turn(core, session, blocks, now).1).lease
+}
+
+/// A session whose turns take `turn_sec` each: one turn admitted at `now`, released after it.
+fn one_turn(core: &mut GateCore, session: &str, blocks: usize, now: f64, turn_sec: f64) {
+    let l = lease(core, session, blocks, now);
+    assert!(core.release(l, now + turn_sec));
+}
+
+#[test]
+fn an_idle_reservation_yields_to_the_head_after_half_the_grace_window() {
+    let mut c = core();
+    // s1's turn took 1 s: 8 turn times = 8 s, below the floor of 60 / 2 = 30 s idle.
+    one_turn(&mut c, "s1", 50, 0.0, 1.0);
+    let (id, action) = turn(&mut c, "s2", 50, 2.0);
+    // The head is told to wake when s1 may yield (idle since 1 s, so at 31 s), before the
+    // 5 s poll deadline would not matter and well before the window's end (61 s).
+    assert!(waits(&action), "{action:?}");
+    let action = drive(&mut c, id, 30.5);
+    assert_eq!(action, Action::Wait { until: 31.0 });
+    assert!(c.has_reservation("s1"));
+    let a = admitted(drive(&mut c, id, 31.0));
+    assert_eq!(a.reason, Reason::Open);
+    assert!(!c.has_reservation("s1"));
+    assert_eq!(c.stats().revocations, 1);
+    assert_eq!(c.stats().committed_blocks, 50);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_session_with_slow_turns_holds_its_room_for_eight_of_them() {
+    let mut c = core();
+    // s1's two turns took 4 s and 6 s: a mean of 5 s, so it yields after 40 s idle (> 30 s).
+    one_turn(&mut c, "s1", 40, 0.0, 4.0);
+    one_turn(&mut c, "s1", 50, 10.0, 6.0);
+    let (id, action) = turn(&mut c, "s2", 50, 17.0);
+    assert!(waits(&action), "{action:?}");
+    // Idle since 16 s: at 50 s it has been idle 34 s, past the floor but not 8 turn times.
+    let action = drive(&mut c, id, 50.0);
+    assert_eq!(action, Action::Wait { until: 55.0 });
+    assert!(c.has_reservation("s1"));
+    let a = admitted(drive(&mut c, id, 56.0));
+    assert_eq!(a.reason, Reason::Open);
+    assert!(!c.has_reservation("s1"));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_session_whose_turns_outlast_the_window_never_yields_before_it_ends() {
+    let mut c = GateCore::new(GateConfig {
+        idle_grace_sec: 20.0,
+        ..GateConfig::default()
+    })
+    .unwrap();
+    // 8 × 3 s = 24 s > the 20 s window: the window's end comes first, as without yielding.
+    one_turn(&mut c, "s1", 50, 0.0, 3.0);
+    let (id, action) = turn(&mut c, "s2", 50, 4.0);
+    assert!(waits(&action), "{action:?}");
+    let action = drive(&mut c, id, 22.0);
+    assert!(waits(&action), "{action:?}");
+    assert_eq!(c.stats().revocations, 0);
+    let a = admitted(drive(&mut c, id, 23.0));
+    assert_eq!(a.reason, Reason::Open);
+    assert_eq!(c.stats().grace_expired, 1);
+    assert_eq!(c.stats().revocations, 0);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn nothing_yields_unless_it_makes_the_head_fit() {
+    let mut c = core();
+    one_turn(&mut c, "s1", 30, 0.0, 1.0);
+    // s2 is in flight: a reservation in flight never yields.
+    let _held = lease(&mut c, "s2", 40, 1.0);
+    // s3 needs 50: without s1's 30 it would still be 40 + 50 = 90 > 85, so s1 keeps its room.
+    let (id3, action) = turn(&mut c, "s3", 50, 40.0);
+    assert!(waits(&action), "{action:?}");
+    assert!(c.has_reservation("s1"));
+    assert_eq!(c.stats().revocations, 0);
+    // s3 gives up; s4 needs 30: without s1 it is 40 + 30 = 70 <= 85, so s1 yields.
+    assert!(c.cancel(id3, 40.0));
+    let a = admitted(turn(&mut c, "s4", 30, 41.0).1);
+    assert_eq!(a.reason, Reason::Open);
+    assert!(!c.has_reservation("s1"));
+    assert!(c.has_reservation("s2"));
+    assert_eq!(c.stats().revocations, 1);
+    c.check_invariants().unwrap();
+}
