@@ -143,7 +143,10 @@ def test_your_own_model_and_shape_reach_the_engine_and_the_profile_and_the_twin_
         (["--model", "/no/such/model"], "--model /no/such/model"),
         (["--model", "Qwen2.5-7B"], "--model Qwen2.5-7B"),
         (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),
-        (["--max-model-len", "2048"], "--max-prompt (8000) must be below --max-model-len"),
+        (
+            ["--max-model-len", "2048", "--max-prompt", "2048"],
+            "--max-prompt (2048) must be below --max-model-len",
+        ),
         (["--load-format", "auto"], "--load-format auto"),
         (["--from-steps", "s.json", "--block-size", "64"], "--block-size: --from-steps"),
         (["--dtype", "int3"], "--dtype"),

@@ -345,9 +345,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-prompt",
         type=_int_flag("--max-prompt", 32),
-        default=8000,
-        help="the longest prefill timed (scenarios longer than the engine's max_model_len are "
-        "left out)",
+        help="the longest prefill timed (default 8000; scenarios longer than the engine's "
+        "max_model_len are left out)",
     )
     p.add_argument(
         "--replay-turns",
@@ -376,7 +375,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"--max-num-batched-tokens ({batched}) must be at least --max-num-seqs ({seqs}): "
             "every running request schedules at least one token a step"
         )
-    if args.max_model_len is not None and args.max_prompt >= args.max_model_len:
+    if None not in (args.max_model_len, args.max_prompt) and args.max_prompt >= args.max_model_len:
         p.error(
             f"--max-prompt ({args.max_prompt}) must be below --max-model-len "
             f"({args.max_model_len}): the prompt and its outputs have to fit"
@@ -418,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             time_steps,
         )
 
-        scenarios = calibration_scenarios(args.max_prompt)
+        scenarios = calibration_scenarios(args.max_prompt or 8000)
         if args.quick:
             keep = {"prefill-128", "prefill-2048", "cached-1024+512", "decode-4x64", "decode-8x64"}
             scenarios = [s for s in scenarios if s.name in keep]
