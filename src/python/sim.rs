@@ -10,7 +10,7 @@ use super::gate::{PyGateConfig, stats_dict};
 use super::guard::no_panic;
 use crate::error::Error;
 use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate as run};
-use crate::sim::{CostModel, Replica, ReplicaConfig, ReplicaStats};
+use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 
 /// A session as Python passes it: `(session_id, system_tokens, task_tokens, arrival, turns)`,
 /// each turn `(append, output, tool_latency)`.
@@ -112,6 +112,7 @@ fn simulate<'py>(
             max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
         };
         let (name, description) = (cost.name.clone(), cost.description.clone());
+        let engine = cost.engine.clone();
         let n = specs.len();
         let (out, wall) = py.detach(|| {
             let started = Instant::now();
@@ -130,6 +131,7 @@ fn simulate<'py>(
         p.set_item("block_size", shape.block_size)?;
         p.set_item("max_num_seqs", shape.max_num_seqs)?;
         p.set_item("max_num_batched_tokens", shape.max_num_batched_tokens)?;
+        p.set_item("engine", engine_dict(py, &engine)?)?;
         result.set_item("profile", p)?;
         result.set_item("wall_sec", wall)?;
         Ok(result)
@@ -167,6 +169,41 @@ fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyD
     lost.set_item("turns", out.lost.turns)?;
     lost.set_item("tokens", out.lost.tokens)?;
     d.set_item("lost", lost)?;
+    Ok(d)
+}
+
+/// The profile's `[engine]` record: only the fields it has.
+fn engine_dict<'py>(py: Python<'py>, e: &EngineRecord) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let texts = [
+        ("model", &e.model),
+        ("load_format", &e.load_format),
+        ("dtype", &e.dtype),
+        ("device", &e.device),
+        ("vllm_version", &e.vllm_version),
+        ("command", &e.command),
+    ];
+    for (key, v) in texts {
+        if let Some(v) = v {
+            d.set_item(key, v)?;
+        }
+    }
+    let counts = [
+        ("tensor_parallel_size", e.tensor_parallel_size),
+        ("max_model_len", e.max_model_len),
+        ("num_gpu_blocks_override", e.num_gpu_blocks_override),
+    ];
+    for (key, v) in counts {
+        if let Some(v) = v {
+            d.set_item(key, v)?;
+        }
+    }
+    if let Some(v) = e.gpu_memory_utilization {
+        d.set_item("gpu_memory_utilization", v)?;
+    }
+    if let Some(v) = e.enforce_eager {
+        d.set_item("enforce_eager", v)?;
+    }
     Ok(d)
 }
 

@@ -13,7 +13,8 @@
 //!
 //! Profiles are TOML data files embedded at build time (`profiles/*.toml`). Each coefficient is
 //! `{ value = ..., source = "..." }`; the `[replica]` table gives the engine shape the profile
-//! implies. A bad profile is an [`Error::InvalidProfile`] naming the file, line and field.
+//! implies; an optional `[engine]` table records the engine a calibration timed (model, dtype,
+//! tensor parallelism, ...: [`EngineRecord`]). A bad profile is an [`Error::InvalidProfile`] naming the file, line and field.
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -131,6 +132,38 @@ struct ProfileFile {
     description: String,
     replica: ReplicaTable,
     cost: CostTable,
+    #[serde(default)]
+    engine: EngineRecord,
+}
+
+/// The engine a calibration timed (`[engine]`, optional; written by `python -m
+/// session_gate.sim.calibrate`): what the replica shape alone does not say. Informational: the
+/// twin models `[replica]` and `[cost]`; this says which model and engine they came from.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineRecord {
+    /// The model (path or Hugging Face id).
+    pub model: Option<String>,
+    /// How its weights were loaded (`auto`, or `dummy` for random weights of the right shape).
+    pub load_format: Option<String>,
+    /// The model's dtype.
+    pub dtype: Option<String>,
+    /// Tensor-parallel GPUs.
+    pub tensor_parallel_size: Option<u32>,
+    /// `max_model_len`.
+    pub max_model_len: Option<u32>,
+    /// `gpu_memory_utilization` (how `num_blocks` was sized, unless overridden).
+    pub gpu_memory_utilization: Option<f64>,
+    /// `num_gpu_blocks_override`, when the block count was set rather than sized.
+    pub num_gpu_blocks_override: Option<u32>,
+    /// CUDA graphs off (`enforce_eager`).
+    pub enforce_eager: Option<bool>,
+    /// The device the steps ran on.
+    pub device: Option<String>,
+    /// The vLLM version.
+    pub vllm_version: Option<String>,
+    /// The command that wrote the profile.
+    pub command: Option<String>,
 }
 
 /// The engine shape a profile implies (vLLM's KV geometry and scheduler limits).
@@ -182,6 +215,8 @@ pub struct CostModel {
     prefill_attn_sec: f64,
     decode_ctx_sec: f64,
     coefficients: Vec<Coefficient>,
+    /// The engine a calibration timed (empty for hand-written profiles).
+    pub engine: EngineRecord,
 }
 
 impl CostModel {
@@ -276,6 +311,7 @@ impl CostModel {
             prefill_attn_sec: coef("prefill_attn_sec", &c.prefill_attn_sec)?,
             decode_ctx_sec: coef("decode_ctx_sec", &c.decode_ctx_sec)?,
             coefficients,
+            engine: file.engine,
             name: file.name,
             description: file.description,
             shape: ProfileShape {
@@ -340,6 +376,42 @@ mod tests {
             let m = CostModel::profile(name).unwrap();
             assert_eq!(&m.name, name);
             assert_eq!(m.coefficients().len(), 6);
+        }
+    }
+
+    #[test]
+    fn the_engine_record_is_optional_and_checked() {
+        let base = include_str!("profiles/h200-qwen2.5-7b.toml");
+        let m = CostModel::from_toml("x.toml", base).unwrap();
+        assert_eq!(m.engine, EngineRecord::default());
+        let text = base.replace(
+            "[cost]",
+            "[engine]\nmodel = \"Qwen/Qwen2.5-7B-Instruct\"\ntensor_parallel_size = 2\n\
+             gpu_memory_utilization = 0.9\nenforce_eager = false\n\n[cost]",
+        );
+        let with = CostModel::from_toml("x.toml", &text).unwrap();
+        assert_eq!(
+            with.engine.model.as_deref(),
+            Some("Qwen/Qwen2.5-7B-Instruct")
+        );
+        assert_eq!(with.engine.tensor_parallel_size, Some(2));
+        assert_eq!(with.engine.gpu_memory_utilization, Some(0.9));
+        assert_eq!(with.engine.enforce_eager, Some(false));
+        // Informational: the same shape and step times as without it.
+        assert_eq!(with.shape, m.shape);
+        assert_eq!(with.coefficients(), m.coefficients());
+        for (bad, field) in [
+            ("tensor_parallel_size = 2", "tensor_parallel_size = \"two\""),
+            ("tensor_parallel_size = 2", "tensor_parallel = 2"),
+            ("tensor_parallel_size = 2", "tensor_parallel_size = -1"),
+        ] {
+            let err = CostModel::from_toml("x.toml", &text.replace(bad, field))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("x.toml") && err.contains("tensor_parallel"),
+                "{err}"
+            );
         }
     }
 

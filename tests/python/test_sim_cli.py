@@ -181,3 +181,21 @@ def test_parallel_runs_give_the_same_results_in_the_same_order(tmp_path, capsys)
         results.append((tables, data))
     assert list(results[0][1]) == ["default @ cpu-tiny", "mixed @ cpu-tiny"]
     assert results[0] == results[1]
+
+
+def test_a_trace_runs_on_the_profile_s_replica_shape(tmp_path):
+    """A trace says nothing about the engine: on a GPU profile it runs on that GPU's cache (a
+    user's calibrated profile too), and `--num-blocks` etc. still override it."""
+    out = tmp_path / "r.json"
+    sim_main.main(
+        ["--trace", str(EXAMPLE), "--profile", "h200-qwen2.5-7b", "--modes", "none"]
+        + ["--max-num-seqs", "64", "--out", str(out)]
+    )
+    (summaries,) = json.loads(out.read_text())["workloads"].values()
+    assert summaries[0]["replica"]["shape"] == {
+        "num_blocks": 126000,
+        "block_size": 16,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 8192,
+    }
+    assert "calibrated_engine" not in summaries[0]["replica"]  # a hand-written profile

@@ -8,6 +8,11 @@ computed tokens before, num_tokens, num_output_tokens)`` — the inputs of the t
 exactly one step (the twin models steps one after another). The model runs in a separate worker
 process pinned to one core (``distributed_executor_backend="mp"``), as in the bench's engine.
 
+The engine is the bench's tiny one by default, or a user's own model and shape
+(:class:`EngineSpec`: what ``python -m session_gate.sim.calibrate``'s engine flags set), and
+:func:`time_steps` reports the shape the engine really got (:func:`engine_record`): vLLM sizes
+the KV cache from ``gpu_memory_utilization`` and may adjust the block size for its backend.
+
 Used by ``python -m session_gate.sim.calibrate``; an engine is started and shut down here.
 """
 
@@ -54,6 +59,122 @@ class TimedStep:
     entries: list[Entry]
 
 
+@dataclass
+class EngineSpec:
+    """The engine to time: ``model`` None is the bench's tiny CPU engine (dummy weights, its
+    shape by default); otherwise a user's model. Fields left None keep the tiny engine's value,
+    or vLLM's own default for a user's model."""
+
+    model: str | None = None
+    load_format: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    tensor_parallel_size: int | None = None
+    enforce_eager: bool | None = None
+    trust_remote_code: bool = False
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.LLM``: prefix caching on, prompts as token ids, and
+        async scheduling off so each timed call is one step."""
+        from vllm.platforms import current_platform
+
+        from session_gate.engine.launch import tiny_engine_args
+
+        given = {
+            "load_format": self.load_format,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_gpu_blocks_override": self.num_gpu_blocks,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": self.enforce_eager,
+        }
+        given = {k: v for k, v in given.items() if v is not None}
+        if self.model is None:
+            # The bench's engine shape unless a flag says otherwise.
+            kwargs = tiny_engine_args(
+                num_blocks=self.num_gpu_blocks or 1024,
+                block_size=self.block_size or 32,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_num_seqs or 16,
+            )
+            kwargs.update(given)
+        else:
+            kwargs = dict(model=self.model, enable_prefix_caching=True, seed=0, **given)
+            if self.trust_remote_code:
+                kwargs["trust_remote_code"] = True
+        kwargs["skip_tokenizer_init"] = True
+        kwargs["async_scheduling"] = False
+        if current_platform.is_cpu():
+            # The bench's engine (an AsyncLLM) runs the model in a worker process that vLLM's
+            # CPU backend pins to one core (the other is reserved for the engine core);
+            # in-process the default executor runs it unpinned in this process, and its steps
+            # came out up to 1.7x faster than the bench's. Time the bench's kind of worker. On a
+            # GPU vLLM's default executor is what `vllm serve` runs.
+            kwargs["distributed_executor_backend"] = "mp"
+        return kwargs
+
+
+def engine_record(llm: Any) -> dict[str, Any]:
+    """What the started engine really is: its replica shape (the KV blocks vLLM allocated,
+    including the null block; the block size it uses; its scheduler limits), KV bytes per
+    token over all tensor-parallel ranks, and the model, dtype and device."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    engine = llm.llm_engine
+    config = engine.vllm_config
+    kv = engine.engine_core.engine_core.scheduler.kv_cache_config
+    block_size = config.cache_config.block_size
+    tp = config.parallel_config.tensor_parallel_size
+    per_rank = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv.kv_cache_groups)
+    device = current_platform.device_name
+    if current_platform.is_cuda_alike():
+        import torch
+
+        device = torch.cuda.get_device_name(0)
+    return {
+        "num_blocks": int(kv.num_blocks),
+        "block_size": int(block_size),
+        "max_num_seqs": int(config.scheduler_config.max_num_seqs),
+        "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
+        "kv_bytes_per_token": int(per_rank * tp // block_size),
+        # What a served engine on this platform does (vLLM's CPU platform turns it off).
+        "async_scheduling": not current_platform.is_cpu(),
+        "model": str(config.model_config.model),
+        "load_format": str(config.load_config.load_format),
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "tensor_parallel_size": int(tp),
+        "max_model_len": int(config.model_config.max_model_len),
+        "gpu_memory_utilization": float(config.cache_config.gpu_memory_utilization),
+        "num_gpu_blocks_override": config.cache_config.num_gpu_blocks_override,
+        "enforce_eager": bool(config.model_config.enforce_eager),
+        "device": str(device),
+        "vllm_version": vllm.__version__,
+    }
+
+
+class EngineRefused(Exception):
+    """vLLM would not start the engine asked for (its own checks of the configuration, or no
+    room for the KV cache); the message is vLLM's."""
+
+
+@dataclass
+class Timing:
+    """Every timed step, and the engine that ran them (:func:`engine_record`)."""
+
+    steps: list[TimedStep]
+    engine: dict[str, Any]
+
+
 def calibration_scenarios(max_prompt: int = 8000) -> list[Scenario]:
     """Prefill sizes, cached prefixes, decode batch sizes and contexts, and mixed steps."""
     out: list[Scenario] = []
@@ -88,32 +209,25 @@ def time_steps(
     *,
     replays: Iterable[Replay] = (),
     repeats: int = 2,
-    num_blocks: int = 1024,
-    block_size: int = 32,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 8192,
+    engine_spec: EngineSpec | None = None,
     seed: int = 0,
     progress: Any = None,
-) -> list[TimedStep]:
-    """Runs every scenario ``repeats`` times, then every replay once, on one fresh tiny engine;
-    returns every step."""
+) -> Timing:
+    """Runs every scenario ``repeats`` times, then every replay once, on one fresh engine
+    (``engine_spec``, default the bench's tiny one); returns every step and the engine's record.
+    A request longer than the engine's ``max_model_len`` is left out (a scenario's, or a replayed
+    session's remaining turns)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import SamplingParams
+    from vllm import LLM, SamplingParams
 
-    from session_gate.engine.launch import make_llm
-
-    llm = make_llm(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        async_scheduling=False,
-        # The bench's engine (an AsyncLLM) runs the model in a worker process that vLLM's CPU
-        # backend pins to one core (the other is reserved for the engine core); in-process the
-        # default executor runs it unpinned in this process, and its steps came out up to 1.7x
-        # faster than the bench's. Time the bench's kind of worker.
-        distributed_executor_backend="mp",
-    )
+    try:
+        llm = LLM(**(engine_spec or EngineSpec()).engine_kwargs())
+    except (ValueError, TypeError, RuntimeError) as exc:
+        # Pydantic's validation errors are ValueErrors; a KV cache that does not fit is a
+        # ValueError or a RuntimeError (out of memory).
+        raise EngineRefused(str(exc)) from exc
+    record = engine_record(llm)
+    max_len = record["max_model_len"]
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     sched = core.scheduler
@@ -144,6 +258,11 @@ def time_steps(
     steps: list[TimedStep] = []
     try:
         warm = [Scenario("warmup", {0: [(0, 256, 8)] * 4})]
+        scenarios = [
+            s
+            for s in scenarios
+            if all(p + m <= max_len for reqs in s.arrivals.values() for _, p, m in reqs)
+        ]
         for rep, sc in enumerate(warm + [s for s in scenarios for _ in range(repeats)]):
             if progress:
                 progress(sc.name)
@@ -194,6 +313,8 @@ def time_steps(
                     if t >= len(turns):
                         continue
                     append, max_tokens = turns[t]
+                    if len(histories[i]) + append + max_tokens > max_len:
+                        continue  # past the engine's max_model_len: the session stops here
                     histories[i] += [rng.randrange(3, 4096) for _ in range(append)]
                     counter += 1
                     live[f"cal-{counter}"] = i
@@ -217,7 +338,7 @@ def time_steps(
         sched.schedule = original
         del llm, engine, core
         gc.collect()
-    return steps
+    return Timing(steps, record)
 
 
 class StepLog:

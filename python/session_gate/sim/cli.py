@@ -4,6 +4,7 @@ replica-shape overrides (every ``GateConfig`` knob becomes a ``--knob-name`` fla
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from session_gate.bench.modes import Mode
@@ -80,7 +81,12 @@ def workloads_of(args: argparse.Namespace) -> list[Workload]:
     if names is None:
         names = [] if args.trace else ["default", "mixed"]
     out = [ALL_WORKLOADS[n](args.seed) for n in names]
-    out += [load_trace(path, seed=args.seed) for path in args.trace]
+    # A trace says nothing about the engine: the twin runs it on the profile's replica shape
+    # (for cpu-tiny, the bench's engine), so a GPU profile's trace runs on that GPU's cache.
+    out += [
+        dataclasses.replace(load_trace(path, seed=args.seed), profile_shape=True)
+        for path in args.trace
+    ]
     return out
 
 

@@ -86,6 +86,9 @@ def run_twin(
     stats = dict(out["replica_stats"])
     stats["wall_sec"] = out["wall_sec"]
     stats["shape"] = {f: out["profile"][f] for f in SHAPE_FIELDS}
+    if out["profile"]["engine"]:
+        # The engine a calibrated profile was timed on (its [engine] table).
+        stats["calibrated_engine"] = out["profile"]["engine"]
     return ModeResult(
         mode.name,
         workload.name,
