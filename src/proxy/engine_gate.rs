@@ -310,19 +310,22 @@ pub async fn heartbeat(proxy: Arc<Proxy>) {
         let started = tokio::time::Instant::now();
         let renewals = proxy.replicas.list.iter().map(|replica| {
             let target = Target::new(&proxy, replica);
+            let healthy = replica.is_healthy();
             async move {
                 let body = json!({ "client_id": target.client_id });
-                match tokio::time::timeout(every, target.post_json("renew", &body)).await {
-                    Ok(answer) => answer,
-                    Err(_) => Err(format!(
-                        "{}{PREFIX}/renew did not answer within {every:?}",
-                        target.base
-                    )),
-                }
+                let answer =
+                    match tokio::time::timeout(every, target.post_json("renew", &body)).await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(format!(
+                            "{}{PREFIX}/renew did not answer within {every:?}",
+                            target.base
+                        )),
+                    };
+                (healthy, answer)
             }
         });
         let mut shortest: Option<Duration> = None;
-        for answer in futures_util::future::join_all(renewals).await {
+        for (healthy, answer) in futures_util::future::join_all(renewals).await {
             match answer {
                 Ok(answer) => {
                     if let Some(ttl) = answer.get("lease_ttl_sec").and_then(Value::as_f64) {
@@ -330,7 +333,9 @@ pub async fn heartbeat(proxy: Arc<Proxy>) {
                         shortest = Some(shortest.map_or(third, |s| s.min(third)));
                     }
                 }
-                Err(e) => eprintln!("session-gate proxy: engine gate heartbeat: {e}"),
+                // An unhealthy replica's failures are the health check's to report.
+                Err(e) if healthy => eprintln!("session-gate proxy: engine gate heartbeat: {e}"),
+                Err(_) => {}
             }
         }
         if let Some(s) = shortest {
