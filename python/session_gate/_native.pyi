@@ -260,6 +260,48 @@ class _GateStatsDict(TypedDict):
     probes: _ProbeStatsByKind
 
 @final
+class EngineGateBook:
+    """The engine gate's core and bookkeeping (attempts by ticket, leases by holder, clients by
+    last call) for its driver in vLLM's engine core: one native call per utility call. Engine
+    thread only; every call takes ``now`` (monotonic seconds)."""
+
+    def __new__(
+        cls,
+        config: GateConfig,
+        lease_ttl_sec: float,
+        block_pool: object,
+        block_size: int,
+        vocab_size: int,
+        max_model_len: int,
+        prefix: object,
+        arm: object,
+        future_cls: object,
+    ) -> EngineGateBook: ...
+    @property
+    def lease_ttl_sec(self) -> float: ...
+    def admit(
+        self,
+        session_id: object,
+        token_ids: object,
+        max_tokens: object,
+        retain_session: object,
+        ticket: object,
+        client_id: object,
+        now: float,
+    ) -> dict[str, object] | object:
+        """The answer now (a dict), or a ``concurrent.futures.Future`` of it."""
+    def release(self, lease: object, client_id: object | None, now: float) -> bool: ...
+    def cancel(self, ticket: object, client_id: object | None, now: float) -> bool: ...
+    def finish(self, session_id: object, client_id: object | None, now: float) -> bool: ...
+    def renew(self, client_id: object, now: float) -> tuple[int, int]:
+        """``(leases, pending)`` the client holds."""
+    def tick(self, now: float) -> list[tuple[str, float, int, int]]:
+        """Clients declared dead: ``(client_id, silent_sec, leases, attempts)``."""
+    def stats(self) -> dict[str, object]: ...
+    def prometheus(self) -> str: ...
+    def check_invariants(self) -> None: ...
+
+@final
 class GateCore:
     """The sans-IO admission state machine. It never reads a clock: every call takes ``now``
     (monotonic seconds). Use it from one thread (the driver's event loop)."""

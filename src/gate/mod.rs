@@ -3,6 +3,7 @@
 //!
 //! The decision tree, what FIFO means and how waiters are woken are documented on the
 //! [`core`] module.
+pub mod book;
 pub mod config;
 pub mod core;
 pub mod driver;

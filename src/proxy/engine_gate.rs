@@ -297,28 +297,50 @@ pub async fn finish(proxy: &Proxy, replica: &Replica, session: &str) -> Result<b
         .unwrap_or(false))
 }
 
-/// Renews this proxy's client id on every healthy replica every third of the engine's lease
-/// TTL, so the leases of requests still streaming outlive the TTL. Runs until aborted.
+/// Renews this proxy's client id on every replica every third of the engine's lease TTL, so
+/// the leases of requests still streaming outlive the TTL. Runs until aborted.
+///
+/// Every replica, healthy or not: a replica busy enough to miss a health check (a CPU engine
+/// saturated by long streams) is still streaming this proxy's admitted turns, and skipping it
+/// would let their leases expire mid-stream. The renewals go out together, each bounded by the
+/// period, and the period runs from their start, so a slow replica delays no other renewal.
 pub async fn heartbeat(proxy: Arc<Proxy>) {
     let mut every = FIRST_RENEW;
     loop {
-        let mut shortest: Option<Duration> = None;
-        for replica in proxy.replicas.list.iter().filter(|r| r.is_healthy()) {
+        let started = tokio::time::Instant::now();
+        let renewals = proxy.replicas.list.iter().map(|replica| {
             let target = Target::new(&proxy, replica);
-            let body = json!({ "client_id": target.client_id });
-            match target.post_json("renew", &body).await {
+            let healthy = replica.is_healthy();
+            async move {
+                let body = json!({ "client_id": target.client_id });
+                let answer =
+                    match tokio::time::timeout(every, target.post_json("renew", &body)).await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(format!(
+                            "{}{PREFIX}/renew did not answer within {every:?}",
+                            target.base
+                        )),
+                    };
+                (healthy, answer)
+            }
+        });
+        let mut shortest: Option<Duration> = None;
+        for (healthy, answer) in futures_util::future::join_all(renewals).await {
+            match answer {
                 Ok(answer) => {
                     if let Some(ttl) = answer.get("lease_ttl_sec").and_then(Value::as_f64) {
                         let third = Duration::from_secs_f64((ttl / 3.0).clamp(0.05, 60.0));
                         shortest = Some(shortest.map_or(third, |s| s.min(third)));
                     }
                 }
-                Err(e) => eprintln!("session-gate proxy: engine gate heartbeat: {e}"),
+                // An unhealthy replica's failures are the health check's to report.
+                Err(e) if healthy => eprintln!("session-gate proxy: engine gate heartbeat: {e}"),
+                Err(_) => {}
             }
         }
         if let Some(s) = shortest {
             every = s;
         }
-        tokio::time::sleep(every).await;
+        tokio::time::sleep_until(started + every).await;
     }
 }

@@ -11,6 +11,7 @@ mod block_pool;
 #[cfg(feature = "proxy")]
 mod cli;
 mod engine;
+mod engine_gate;
 mod errors;
 mod gate;
 mod guard;
@@ -25,6 +26,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
     gate::register(m)?;
+    engine_gate::register(m)?;
     baselines::register(m)?;
     sim::register(m)?;
     #[cfg(feature = "proxy")]

@@ -43,28 +43,21 @@ _clock_ns = time.perf_counter_ns
 
 
 class _Probes:
-    """What the driver reads from this engine, in-process: the probes' own code (``methods``)."""
+    """What the driver reads from this engine, in-process: the probes' own code (``methods``)
+    and the block pool the native book reads usage from."""
 
-    def __init__(self, state: Any, native: Any) -> None:
+    def __init__(self, state: Any) -> None:
         self._state = state
-        self._prompt_length = native.prompt_length
-        self._vocab = state.vocab_size
-        self._max_len = state.max_model_len
-
-    def usage(self) -> dict[str, Any]:
-        return self._state.usage()
+        self.block_pool = state.block_pool
+        self.block_size = state.block_size
+        self.vocab_size = state.vocab_size
+        self.max_model_len = state.max_model_len
 
     def probe(self, session_id: str, token_ids: Any) -> dict[str, Any]:
         return self._state.probe(session_id, token_ids)
 
     def forget(self, session_id: str) -> bool:
         return self._state.forget(session_id)
-
-    def prompt_length(self, token_ids: Any) -> int:
-        try:
-            return self._prompt_length(token_ids, self._vocab, self._max_len)
-        except ValueError as exc:
-            raise ValueError(f"token_ids: {exc}") from None
 
 
 def _checked(call: Any, *args: Any) -> Any:
@@ -83,7 +76,7 @@ def _driver(core: EngineCore) -> EngineGateDriver:
             raise RuntimeError(f"the engine gate is unavailable: {error}")
         config = native.GateConfig.from_env()
         driver = EngineGateDriver(
-            core, _Probes(methods._state(core), native), native, config, lease_ttl_from_env()
+            core, _Probes(methods._state(core)), native, config, lease_ttl_from_env()
         )
         core.__dict__[DRIVER_ATTR] = driver
         logger.info(
