@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -122,7 +123,17 @@ def served_vllm(
         finally:
             stop(proc)
     finally:
+        keep_log(workdir / "vllm.log", prefix)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def keep_log(log: Path, prefix: str) -> None:
+    """With ``SESSION_GATE_TEST_LOGS=DIR``, a server's log outlives its work directory (for a
+    failure seen only on another machine)."""
+    keep = os.environ.get("SESSION_GATE_TEST_LOGS")
+    if keep and log.exists():
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, Path(keep) / f"{prefix}-{os.getpid()}-{time.time_ns()}.log")
 
 
 def proxy_binary() -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import tempfile
 import time
 import urllib.error
@@ -14,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import get_text, metric, proxy_binary, served_vllm, word_ids
+from conftest import get_text, keep_log, metric, proxy_binary, served_vllm, word_ids
 from session_gate.engine.serve import start_proxy, stop
 from session_gate.engine.tiny_tokenizer import word
 
@@ -54,6 +55,8 @@ def proxy_url(vllm_url):
         yield url
     finally:
         stop(proc)
+        keep_log(workdir / "proxy.log", "http-e2e-proxy")
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def words(ids: list[int]) -> str:
@@ -269,7 +272,7 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     sent += 1
 
     # A client that disconnects mid-stream: vLLM stops generating, the lease is released.
-    # (vLLM does not count client aborts in request_success_total, so this one is not "sent".)
+    # (Not "sent": vLLM counts it, if at all, as finished_reason="abort"; see the end.)
     tokens_before = vllm_gauge(vllm_url, "vllm:generation_tokens_total")
     c = openai_client(f"{proxy_url}/sess/agent-c/v1")
     stream = await c.completions.create(
@@ -289,7 +292,9 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     text = get_text(f"{proxy_url}/metrics")
     deadline = time.monotonic() + 10
     while metric(text, "session_gate_proxy_requests_total", outcome="client_disconnected") < 1:
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, [
+            line for line in text.splitlines() if line.startswith("session_gate_proxy_requests")
+        ]
         await asyncio.sleep(0.2)
         text = get_text(f"{proxy_url}/metrics")
     assert metric(text, "session_gate_leases_active") == 0
@@ -340,9 +345,12 @@ async def test_proxy_end_to_end(vllm_url, proxy_url):
     assert metric(text, "session_gate_proxy_replica_healthy") == 1
 
     # vLLM served every forwarded request exactly once, and none of the preempted ones.
+    # The abandoned stream is the one abort: vLLM counts it as finished ("abort") only when the
+    # engine core's answer for it wins the race with the front end dropping the request.
     finished_after = vllm_finished(vllm_url)
-    served = sum(finished_after.values()) - sum(finished_before.values())
-    assert served == sent
+    change = {k: v - finished_before.get(k, 0.0) for k, v in finished_after.items()}
+    aborted = change.pop("abort", 0.0)
+    assert sum(change.values()) == sent and aborted <= 1, (change, aborted, sent)
 
 
 def test_proxy_rejects_bad_requests_with_json_errors(proxy_url):

@@ -14,7 +14,8 @@ waiter's ``Wait.until``, a client's lease TTL) it raises ``due`` and wakes the b
 then runs :meth:`EngineGateDriver.tick` on its own thread:
 
 - engine busy: the loop steps continuously and ``post_step`` (wrapped once, see ``ledger``) ticks
-  when ``due`` is set — one attribute read per step otherwise;
+  when ``due`` is set — one attribute read per step otherwise — once the requests queued during
+  the step (renewals among them) have been handled (``tick_when_settled``);
 - engine idle: the loop blocks in ``input_queue.get()``. The timer appends the tick to
   ``EngineCore._idle_state_callbacks`` (vLLM calls those on every idle pass of
   ``_process_input_queue``) and puts a ``WAKEUP`` request in the input queue, which unblocks
@@ -44,6 +45,10 @@ from vllm.v1.engine import EngineCoreRequestType
 logger = logging.getLogger("session_gate")
 
 _now = time.monotonic
+
+#: Longest a due tick waits for vLLM's input queue to empty (a steady stream of requests must
+#: not put off expiries and waiter deadlines for long).
+MAX_TICK_DEFER_SEC = 0.5
 
 #: Default seconds a silent client's leases and attempts survive (env SESSION_GATE_LEASE_TTL_SEC).
 DEFAULT_LEASE_TTL_SEC = 30.0
@@ -119,6 +124,8 @@ class EngineGateDriver:
         self._loop_us: dict[str, list[float]] = {"admit": [0, 0.0], "release": [0, 0.0]}
         #: Set by the timer thread; the engine thread ticks when it sees it.
         self.due = False
+        #: When a due tick was first put off for queued requests (``tick_when_settled``).
+        self._due_since: float | None = None
         self._timer = _Timer(self._wake_engine)
         self._book = native.EngineGateBook(
             config,
@@ -204,10 +211,30 @@ class EngineGateDriver:
 
     # -- timers (engine thread) -------------------------------------------------------------
 
+    def tick_when_settled(self) -> None:
+        """After a step: ticks if the timer is due and the engine has no client request queued,
+        else leaves ``due`` set for the next step (at most ``MAX_TICK_DEFER_SEC``).
+
+        Why: a renewal can sit in vLLM's input queue while the engine thread was held up by a
+        step (a long one, or a starved CPU: this machine has stalled processes for seconds);
+        ticking first would declare its client silent and drop its leases mid-stream. vLLM
+        drains the whole queue before its next step, so one step later the renewal counts."""
+        if not self.due:
+            return
+        queue = getattr(self._engine, "input_queue", None)
+        now = _now()
+        if queue is not None and not queue.empty():
+            if self._due_since is None:
+                self._due_since = now
+            if now - self._due_since < MAX_TICK_DEFER_SEC:
+                return
+        self.tick()
+
     def tick(self) -> None:
         """Runs due deadlines: waiters whose ``Wait.until`` passed, dead clients, grace ends.
         Never raises: it runs inside vLLM's busy loop."""
         self.due = False
+        self._due_since = None
         try:
             self.counters["ticks"] += 1
             for cid, silent, leases, attempts in self._book.tick(_now()):
@@ -242,6 +269,8 @@ class EngineGateDriver:
 def _tick_callback(engine: Any) -> None:
     """vLLM idle-state callback: runs the engine gate's due timers on the engine thread."""
     driver = engine.__dict__.get(DRIVER_ATTR)
+    # Idle: the loop just took our WAKEUP off the queue, so every request queued before the
+    # deadline has been handled (first in, first out): no reason to wait.
     if driver is not None and driver.due:
         driver.tick()
 

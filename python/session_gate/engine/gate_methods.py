@@ -162,7 +162,7 @@ def _wrap_post_step(original: Any) -> Any:
         # A busy engine never runs idle callbacks: the gate's timers tick here, between steps.
         driver = self.__dict__.get(DRIVER_ATTR)
         if driver is not None and driver.due:
-            driver.tick()
+            driver.tick_when_settled()
 
     post_step.__wrapped__ = original  # type: ignore[attr-defined]
     return post_step

@@ -154,14 +154,19 @@ class SessionGateMiddleware:
             self._heartbeat = asyncio.ensure_future(self._renew_forever(routes))
 
     async def _renew_forever(self, routes: Any) -> None:
-        """This process's heartbeat: keeps its leases alive while it lives."""
+        """This process's heartbeat: keeps its leases alive while it lives. The period runs
+        from each renewal's start, so a slow answer (a busy engine) does not stretch the gap
+        between renewals towards the TTL."""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
                 answer = await routes.call("session_gate_renew", self.client_id)
                 routes.lease_ttl_sec = float(answer["lease_ttl_sec"])
             except Exception as exc:  # noqa: BLE001 - keep beating
                 logger.debug("session_gate: middleware heartbeat failed: %r", exc)
-            await asyncio.sleep((routes.lease_ttl_sec or 3.0) / 3)
+            period = (routes.lease_ttl_sec or 3.0) / 3
+            await asyncio.sleep(max(0.0, started + period - loop.time()))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
