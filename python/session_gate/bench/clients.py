@@ -177,6 +177,7 @@ async def _engine_loop_cost(url: str, n: int) -> dict[str, float]:
             await lease.arelease()
             usage_us.append((await probe.usage())["engine_us"])
         after = (await gate.stats())["engine_gate"]
+    splits = after.get("loop_splits")
     q = statistics.quantiles(admit_us, n=100, method="inclusive")
     released = after["release_loop_calls"] - before["release_loop_calls"]
     release_us = (after["release_loop_us_total"] - before["release_loop_us_total"]) / released
@@ -188,6 +189,7 @@ async def _engine_loop_cost(url: str, n: int) -> dict[str, float]:
         "admit_plus_release_us": q[49] + release_us,
         "usage_probe_engine_us_p50": usage_p50,
         "admit_plus_release_over_usage_probe": (q[49] + release_us) / max(usage_p50, 1e-9),
+        **({"loop_splits": splits} if splits else {}),
     }
 
 
@@ -202,6 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-requests", type=int, default=200)
+    p.add_argument(
+        "--loop-splits",
+        action="store_true",
+        help="time vLLM's dispatch, our glue and the native call of each admit and release "
+        "inside the engine (SESSION_GATE_LOOP_SPLITS=1; the timers add to what they measure)",
+    )
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -229,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=e.block_size,
         max_model_len=max_len,
         extra_args=extra,
+        env={"SESSION_GATE_LOOP_SPLITS": "1"} if args.loop_splits else None,
     )
     try:
         summaries = []

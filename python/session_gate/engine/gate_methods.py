@@ -29,7 +29,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import methods
+from session_gate.engine import gate_splits, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -176,3 +176,7 @@ def install() -> None:
         setattr(EngineCore, name, fn)
     EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
     EngineCore._session_gate_gate_installed = True
+    if gate_splits.enabled():  # measurement only: SESSION_GATE_LOOP_SPLITS=1
+        from vllm.v1.engine.core import EngineCoreProc
+
+        gate_splits.install(EngineCore, EngineCoreProc, DRIVER_ATTR)
