@@ -1,22 +1,25 @@
 """Where the engine loop's time goes in the engine gate's admit and release (measurement only).
 
 Off unless ``SESSION_GATE_LOOP_SPLITS=1`` is in the engine core's environment; then
-``gate_methods.install`` calls :func:`install`, which wraps, on the engine thread, each
-``session_gate_admit`` / ``session_gate_release`` utility call at three nested levels and
-records ``time.perf_counter_ns`` around each:
+``gate_methods.install`` calls :func:`install`, which times, on the engine thread, each
+``session_gate_admit`` / ``session_gate_release`` utility call at nested levels with
+``time.perf_counter_ns``:
 
-- ``dispatch``: vLLM's whole handling of the request on the engine thread
-  (``EngineCoreProc._handle_client_request``: the method lookup, ``_convert_msgspec_args``,
-  our method, wrapping the result, queueing the output);
-- ``method``: our utility method, from entry to return;
-- ``native``: the one native call inside it (``EngineGateBook.admit`` / ``.release``).
+- ``dispatch``: vLLM's whole handling of the request (``EngineCoreProc._handle_client_request``),
+  and inside it ``invoke`` (``_invoke_utility_method``: the method lookup, the call, wrapping the
+  result, queueing the output) and ``convert`` (``_convert_msgspec_args``: ``inspect.signature``
+  of the method, see ``gate_methods._Utility``);
+- ``method``: the call of the bound utility method vLLM looked up;
+- ``native``: the native call's own time (``EngineGateBook`` times itself), split into
+  ``args`` (argument checks and the prompt read), ``usage`` (the block pool read), ``prefix``
+  (the prefix walk), ``answer`` (the answer dict) and ``book`` (the rest: book and core).
 
-So ``dispatch - method`` is vLLM's part, ``method - native`` our Python glue, ``native`` the
-native call (arguments, book, core, usage read, answer dict). Each wrapper's own frame lands in
-the level around it; ``wrapper_ns`` (a timed wrapper around a no-op, timed the same way) says
-how much. Prefix probes during the run are counted (``prefix_probes``): an admit answered with
-the gate open needs none. The summary (median and p99 per part, µs) is read from
-``session_gate_stats`` under ``engine_gate.loop_splits``.
+``dispatch - method`` is vLLM's part, ``method - native`` what sits between vLLM and the native
+code (a ``functools.partial`` and PyO3's argument handling), ``native`` ours. A wrapper's own
+frame lands in the level around it: ``wrapper_ns`` (a timed wrapper around a no-op, timed the
+same way) says how much. The first admit (which builds the driver) is not split. The summary
+(median and p99 per part, µs) is read from ``session_gate_stats`` under
+``engine_gate.loop_splits``.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ from typing import Any
 ENV = "SESSION_GATE_LOOP_SPLITS"
 #: The calls split; anything else passes through untimed.
 CALLS = ("session_gate_admit", "session_gate_release")
-#: The nested timers: vLLM's whole dispatch, its ``_invoke_utility_method`` and
-#: ``_convert_msgspec_args`` (``inspect.signature`` of the method), our method, the native call.
-PARTS = ("dispatch", "invoke", "convert", "method", "native")
+#: The timed levels (ns), outermost first, then the native call's own parts.
+PARTS = ("dispatch", "invoke", "convert", "method")
+NATIVE_PARTS = ("args", "usage", "prefix", "answer", "book", "total")
 #: Samples kept per call and part (the first ones; a bench run takes a few hundred).
 MAX_SAMPLES = 100_000
 
@@ -44,46 +47,39 @@ def enabled() -> bool:
 
 
 class Splits:
-    """Samples in ns by call and part; a call counts only with all three parts timed (the
-    first admit, which builds the driver, has no native timer yet)."""
+    """Samples in ns by call and part; a call counts only with every part timed."""
 
     def __init__(self) -> None:
-        self.samples: dict[str, dict[str, list[int]]] = {c: {p: [] for p in PARTS} for c in CALLS}
+        self.samples: dict[str, list[dict[str, int]]] = {c: [] for c in CALLS}
         #: The parts of the call in progress (the engine thread runs one at a time).
         self.current: dict[str, int] = {}
-
-    def add(self, call: str, part: str, ns: int) -> None:
-        s = self.samples[call][part]
-        if len(s) < MAX_SAMPLES:
-            s.append(ns)
 
     def end_call(self, call: str, dispatch_ns: int) -> None:
         parts, self.current = self.current, {}
         parts["dispatch"] = dispatch_ns
-        if all(p in parts for p in PARTS):
-            for p in PARTS:
-                self.add(call, p, parts[p])
+        if all(p in parts for p in PARTS) and "total" in parts:
+            s = self.samples[call]
+            if len(s) < MAX_SAMPLES:
+                s.append(parts)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"wrapper_ns": _wrapper_ns()}
-        for call, parts in self.samples.items():
-            n = len(parts["dispatch"])
-            if n == 0:
+        for call, rows in self.samples.items():
+            if not rows:
                 continue
-            # Per call: the three parts of the same call, so their differences are per call too.
-            d, inv, conv, m, nat = (parts[p] for p in PARTS)
             derived = {
-                "dispatch": d,
-                "method": m,
-                "native": nat,
-                "vllm": [a - b for a, b in zip(d, m, strict=True)],
-                "vllm_convert_args": conv,
-                "vllm_invoke_rest": [a - b - c for a, b, c in zip(inv, conv, m, strict=True)],
-                "vllm_outside_invoke": [a - b for a, b in zip(d, inv, strict=True)],
-                "glue": [a - b for a, b in zip(m, nat, strict=True)],
+                "dispatch": [r["dispatch"] for r in rows],
+                "vllm": [r["dispatch"] - r["method"] for r in rows],
+                "vllm_convert_args": [r["convert"] for r in rows],
+                "vllm_invoke_rest": [r["invoke"] - r["convert"] - r["method"] for r in rows],
+                "vllm_outside_invoke": [r["dispatch"] - r["invoke"] for r in rows],
+                "method": [r["method"] for r in rows],
+                "between": [r["method"] - r["total"] for r in rows],
+                "native": [r["total"] for r in rows],
+                **{f"native_{p}": [r[p] for r in rows] for p in NATIVE_PARTS[:-1]},
             }
             out[call.removeprefix("session_gate_")] = {
-                "n": n,
+                "n": len(rows),
                 **{k: _quantiles_us(v) for k, v in derived.items()},
             }
         return out
@@ -102,13 +98,14 @@ def _wrapper_ns(samples: int = 2000) -> float:
     def noop() -> None:
         return None
 
-    sink = Splits()
+    sink: dict[str, int] = {}
 
-    @functools.wraps(noop)
     def wrapped() -> None:
         t = _clock()
-        noop()
-        sink.current["native"] = _clock() - t
+        try:
+            return noop()
+        finally:
+            sink["method"] = _clock() - t
 
     extra = []
     for _ in range(samples):
@@ -121,9 +118,9 @@ def _wrapper_ns(samples: int = 2000) -> float:
     return float(statistics.median(extra))
 
 
-def install(engine_core_cls: Any, engine_core_proc_cls: Any, driver_attr: str) -> Splits:
-    """Wraps vLLM's dispatch and the two utility methods (and, on the first call, the driver's
-    native calls) with timers; returns where the samples go."""
+def install(engine_core_proc_cls: Any, driver_attr: str) -> Splits:
+    """Wraps vLLM's dispatch (and, once an engine's methods are bound, the bound methods) with
+    timers; returns where the samples go."""
     splits = Splits()
     original_handle = engine_core_proc_cls._handle_client_request
 
@@ -133,6 +130,7 @@ def install(engine_core_cls: Any, engine_core_proc_cls: Any, driver_attr: str) -
         name = request[2] if isinstance(request, (tuple, list)) and len(request) == 4 else None
         if name not in CALLS:
             return original_handle(self, request_type, request)
+        _time_bound_method(self, name, splits, driver_attr)
         splits.current = {}
         t = _clock()
         original_handle(self, request_type, request)
@@ -140,8 +138,7 @@ def install(engine_core_cls: Any, engine_core_proc_cls: Any, driver_attr: str) -
 
     engine_core_proc_cls._handle_client_request = handle
 
-    for attr in ("_invoke_utility_method", "_convert_msgspec_args"):
-        part = "invoke" if attr == "_invoke_utility_method" else "convert"
+    for attr, part in (("_invoke_utility_method", "invoke"), ("_convert_msgspec_args", "convert")):
         inner = getattr(engine_core_proc_cls, attr)  # both are staticmethods
 
         def timed_static(*args: Any, _inner: Any = inner, _part: str = part) -> Any:
@@ -153,46 +150,30 @@ def install(engine_core_cls: Any, engine_core_proc_cls: Any, driver_attr: str) -
 
         setattr(engine_core_proc_cls, attr, staticmethod(timed_static))
 
-    for name in CALLS:
-        original = getattr(engine_core_cls, name)
-
-        def timed(self: Any, *args: Any, _original: Any = original) -> Any:
-            driver = self.__dict__.get(driver_attr)
-            if driver is not None and not getattr(driver, "_splits_wrapped", False):
-                _wrap_native(driver, splits)
-            t = _clock()
-            try:
-                return _original(self, *args)
-            finally:
-                splits.current["method"] = _clock() - t
-
-        # functools.wraps keeps ``inspect.signature`` (which vLLM calls on every utility call)
-        # as costly as on the original: it follows ``__wrapped__``.
-        setattr(engine_core_cls, name, functools.wraps(original)(timed))
-
-    original_stats = engine_core_cls.session_gate_stats
-
-    @functools.wraps(original_stats)
-    def stats(self: Any, fmt: Any = "json") -> Any:
-        out = original_stats(self, fmt)
-        if isinstance(out, dict):
-            out.setdefault("engine_gate", {})["loop_splits"] = splits.summary()
-        return out
-
-    engine_core_cls.session_gate_stats = stats
     return splits
 
 
-def _wrap_native(driver: Any, splits: Splits) -> None:
-    for attr in ("_admit", "_release"):
-        native = getattr(driver, attr)
+def _time_bound_method(core: Any, name: str, splits: Splits, driver_attr: str) -> None:
+    """Replaces the engine's cached bound method (``gate_methods._Utility``) by a timed one
+    with the same precomputed signature, and turns on the native call's part timers."""
+    bound = core.__dict__.get(name)
+    driver = core.__dict__.get(driver_attr)
+    if bound is None or driver is None or getattr(bound, "_session_gate_timed", False):
+        return
+    book = driver._book
+    book.time_parts = True
+    driver.loop_splits = splits
 
-        def timed(*args: Any, _native: Any = native) -> Any:
-            t = _clock()
-            try:
-                return _native(*args)
-            finally:
-                splits.current["native"] = _clock() - t
+    def timed(*args: Any) -> Any:
+        t = _clock()
+        try:
+            return bound(*args)
+        finally:
+            cur = splits.current
+            cur["method"] = _clock() - t
+            cur.update(book.last_parts())
 
-        setattr(driver, attr, timed)
-    driver._splits_wrapped = True
+    wrapper = functools.partial(timed)
+    wrapper.__signature__ = bound.__signature__  # type: ignore[attr-defined]
+    wrapper._session_gate_timed = True  # type: ignore[attr-defined]
+    core.__dict__[name] = wrapper
