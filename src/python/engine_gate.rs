@@ -23,7 +23,7 @@ use super::guard::no_panic;
 use super::tokens::{TokenLimits, read_prompt};
 use crate::error::Error;
 use crate::gate::book::{Answer, BookProbes, EngineBook, Resolved};
-use crate::gate::{Admission, GateCore, PrefixReport, UsageReport};
+use crate::gate::{Admission, GateCore, PrefixReport, Reason, UsageReport};
 
 /// A client id, ticket or session id longer than this is refused (they are map keys).
 const MAX_ID_LEN: usize = 256;
@@ -209,20 +209,27 @@ pub(crate) struct PyEngineGateBook {
     release_time: LoopTime,
     time_parts: bool,
     parts: Parts,
+    reasons: ReasonStrs,
 }
 
-/// A client id, ticket or session id: a non-empty `str` of at most [`MAX_ID_LEN`] characters.
-fn id_str(name: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
+/// A client id, ticket or session id: a non-empty `str` of at most [`MAX_ID_LEN`] characters
+/// (borrowed: the book copies what it keeps).
+fn id_str<'a>(name: &str, value: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
     if let Ok(s) = value.cast::<PyString>() {
         let s = s.to_str()?;
         if !s.is_empty() {
-            let n = s.chars().count();
+            // At most MAX_ID_LEN bytes is at most MAX_ID_LEN characters: count only beyond.
+            let n = if s.len() <= MAX_ID_LEN {
+                0
+            } else {
+                s.chars().count()
+            };
             if n > MAX_ID_LEN {
                 return Err(PyValueError::new_err(format!(
                     "{name} is {n} characters long, more than {MAX_ID_LEN}"
                 )));
             }
-            return Ok(s.to_owned());
+            return Ok(s);
         }
     }
     let type_name = value.get_type().name()?;
@@ -236,14 +243,16 @@ fn id_str(name: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
 }
 
 /// An id argument that may be absent from the call (it then reads as `None`, and is refused).
-fn required_id(py: Python<'_>, name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+fn required_id<'a>(name: &str, value: Option<&'a Bound<'_, PyAny>>) -> PyResult<&'a str> {
     match value {
         Some(v) => id_str(name, v),
-        None => id_str(name, &py.None().into_bound(py)),
+        None => Err(PyTypeError::new_err(format!(
+            "{name} must be a non-empty str, got NoneType None"
+        ))),
     }
 }
 
-fn optional_id(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
+fn optional_id<'a>(name: &str, value: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'a str>> {
     value
         .filter(|v| !v.is_none())
         .map(|v| id_str(name, v))
@@ -255,18 +264,32 @@ fn plain_int<'a>(value: &'a Bound<'_, PyAny>) -> Option<&'a Bound<'a, PyAny>> {
     (value.cast::<PyInt>().is_ok() && value.cast::<PyBool>().is_err()).then_some(value)
 }
 
-fn admission_dict<'py>(
+/// The reasons' labels as Python strings, made once (an answer reuses them).
+type ReasonStrs = [Py<PyString>; Reason::ALL.len()];
+
+fn reason_strs(py: Python<'_>) -> ReasonStrs {
+    Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind())
+}
+
+/// `ticket` and `session_id` are the caller's own `str` objects when the admit answers in its
+/// call (nothing to copy), the book's copies when it answers later.
+fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
     py: Python<'py>,
-    ticket: &str,
-    session_id: &str,
+    ticket: S,
+    session_id: S,
     a: &Admission,
+    reasons: &ReasonStrs,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let reason = Reason::ALL
+        .iter()
+        .position(|r| *r == a.reason)
+        .expect("Reason::ALL lists every reason");
     let d = PyDict::new(py);
     d.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
     d.set_item(intern!(py, "lease"), a.lease.0)?;
     d.set_item(intern!(py, "ticket"), ticket)?;
     d.set_item(intern!(py, "session_id"), session_id)?;
-    d.set_item(intern!(py, "reason"), a.reason.as_str())?;
+    d.set_item(intern!(py, "reason"), reasons[reason].bind(py))?;
     d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
     d.set_item(intern!(py, "usage"), a.usage)?;
     d.set_item(intern!(py, "pressure"), a.pressure)?;
@@ -279,14 +302,15 @@ fn admission_dict<'py>(
     Ok(d)
 }
 
-fn answer_dict<'py>(
+fn answer_dict<'py, S: IntoPyObject<'py> + Copy>(
     py: Python<'py>,
-    ticket: &str,
-    session_id: &str,
+    ticket: S,
+    session_id: S,
     answer: &Answer,
+    reasons: &ReasonStrs,
 ) -> PyResult<Bound<'py, PyDict>> {
     match answer {
-        Answer::Admitted(a) => admission_dict(py, ticket, session_id, a),
+        Answer::Admitted(a) => admission_dict(py, ticket, session_id, a, reasons),
         Answer::Preempted { num_preempted } => {
             let d = PyDict::new(py);
             d.set_item(intern!(py, "status"), intern!(py, "preempted"))?;
@@ -343,20 +367,22 @@ impl PyEngineGateBook {
 
     /// The admit of [`Self::admit`], its arguments unpacked.
     #[allow(clippy::too_many_arguments)]
-    fn admit_inner(
+    fn admit_inner<'py>(
         &mut self,
-        py: Python<'_>,
+        py: Python<'py>,
         started: Instant,
-        session_id: &Bound<'_, PyAny>,
-        token_ids: &Bound<'_, PyAny>,
-        max_tokens: &Bound<'_, PyAny>,
-        retain_session: Option<&Bound<'_, PyAny>>,
-        ticket: Option<&Bound<'_, PyAny>>,
-        client_id: Option<&Bound<'_, PyAny>>,
+        session_id: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        max_tokens: &Bound<'py, PyAny>,
+        retain_session: Option<&Bound<'py, PyAny>>,
+        ticket: Option<&Bound<'py, PyAny>>,
+        client_id: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
+        let session_str = session_id;
         let session_id = id_str("session_id", session_id)?;
-        let ticket = required_id(py, "ticket", ticket)?;
-        let client_id = required_id(py, "client_id", client_id)?;
+        let ticket_str = ticket;
+        let ticket = required_id("ticket", ticket)?;
+        let client_id = required_id("client_id", client_id)?;
         let max_tokens = plain_int(max_tokens)
             .and_then(|m| m.extract::<usize>().ok())
             .ok_or_else(|| {
@@ -392,9 +418,9 @@ impl PyEngineGateBook {
         let now = self.now();
         let answer = self.with_book(py, |book, probes| {
             book.admit(
-                &ticket,
-                &client_id,
-                &session_id,
+                ticket,
+                client_id,
+                session_id,
                 prompt_tokens,
                 max_tokens,
                 retain_session,
@@ -410,7 +436,8 @@ impl PyEngineGateBook {
         match answer {
             Some(a) => {
                 let answered = self.time_parts.then(Instant::now);
-                let d = answer_dict(py, &ticket, &session_id, &a)?;
+                let ticket_str = ticket_str.expect("a ticket was read above");
+                let d = answer_dict(py, ticket_str, session_str, &a, &self.reasons)?;
                 // Set last: the whole call but this one item.
                 let us = started.elapsed().as_secs_f64() * 1e6;
                 d.set_item(intern!(py, "engine_us"), us)?;
@@ -423,7 +450,7 @@ impl PyEngineGateBook {
             }
             None => {
                 let future = self.future_cls.bind(py).call0()?.unbind();
-                if let Some(p) = self.book.payload_mut(&ticket) {
+                if let Some(p) = self.book.payload_mut(ticket) {
                     p.future = Some(future.clone_ref(py));
                 }
                 Ok(future)
@@ -437,7 +464,7 @@ impl PyEngineGateBook {
         }
         if self.book.has_resolved() {
             for r in self.book.take_resolved() {
-                deliver(py, r)?;
+                deliver(py, r, &self.reasons)?;
             }
         }
         Ok(())
@@ -446,7 +473,7 @@ impl PyEngineGateBook {
 
 /// Answers a deferred admit (if its caller got a future; an admit answered in its own call
 /// never reaches here).
-fn deliver(py: Python<'_>, r: Resolved<Payload>) -> PyResult<()> {
+fn deliver(py: Python<'_>, r: Resolved<Payload>, reasons: &ReasonStrs) -> PyResult<()> {
     let Some(future) = r.payload.future else {
         return Ok(());
     };
@@ -454,7 +481,13 @@ fn deliver(py: Python<'_>, r: Resolved<Payload>) -> PyResult<()> {
     if future.call_method0(intern!(py, "done"))?.is_truthy()? {
         return Ok(());
     }
-    let answer = answer_dict(py, &r.ticket, &r.session_id, &r.answer)?;
+    let answer = answer_dict(
+        py,
+        r.ticket.as_str(),
+        r.session_id.as_str(),
+        &r.answer,
+        reasons,
+    )?;
     future.call_method1(intern!(py, "set_result"), (answer,))?;
     Ok(())
 }
@@ -504,6 +537,7 @@ impl PyEngineGateBook {
                 release_time: LoopTime::default(),
                 time_parts: false,
                 parts: Parts::default(),
+                reasons: reason_strs(py),
             })
         })
     }
@@ -578,7 +612,7 @@ impl PyEngineGateBook {
             }
             let now = self.now();
             let released = self.with_book(py, |book, probes| {
-                Ok(book.release(lease, client_id.as_deref(), now, probes))
+                Ok(book.release(lease, client_id, now, probes))
             })?;
             let us = started.elapsed().as_secs_f64() * 1e6;
             self.release_time.record(us);
@@ -603,7 +637,7 @@ impl PyEngineGateBook {
             let ticket = id_str("ticket", ticket)?;
             let client_id = optional_id("client_id", client_id)?;
             self.with_book(py, |book, probes| {
-                Ok(book.cancel(&ticket, client_id.as_deref(), now, probes))
+                Ok(book.cancel(ticket, client_id, now, probes))
             })
         })
         .map_err(|e| bad_input(py, e))
@@ -622,7 +656,7 @@ impl PyEngineGateBook {
             let session_id = id_str("session_id", session_id)?;
             let client_id = optional_id("client_id", client_id)?;
             self.with_book(py, |book, probes| {
-                Ok(book.finish(&session_id, client_id.as_deref(), now, probes))
+                Ok(book.finish(session_id, client_id, now, probes))
             })
         })
         .map_err(|e| bad_input(py, e))
@@ -637,7 +671,7 @@ impl PyEngineGateBook {
     ) -> PyResult<(usize, usize)> {
         no_panic("EngineGateBook.renew", || {
             let client_id = id_str("client_id", client_id)?;
-            self.with_book(py, |book, probes| Ok(book.renew(&client_id, now, probes)))
+            self.with_book(py, |book, probes| Ok(book.renew(client_id, now, probes)))
         })
         .map_err(|e| bad_input(py, e))
     }

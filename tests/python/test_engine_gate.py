@@ -159,26 +159,6 @@ async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
     assert await gate.finish_session("heir")
 
 
-@pytest.mark.parametrize(
-    ("method", "args", "fragment"),
-    [
-        ("session_gate_admit", (5, b"\x05\x00\x00\x00", 4, True, "t", "c"), "session_id must"),
-        ("session_gate_admit", ("s", "abc", 4, True, "t", "c"), "token_ids"),
-        ("session_gate_admit", ("s", b"\x05\x00\x00", 4, True, "t", "c"), "multiple of 4"),
-        ("session_gate_admit", ("s", [5] * 5000, 4, True, "t", "c"), "max_model_len"),
-        ("session_gate_admit", ("s", [5], -1, True, "t", "c"), "max_tokens"),
-        ("session_gate_admit", ("s", [5], 4, "yes", "t", "c"), "retain_session"),
-        ("session_gate_admit", ("s", [5], 4, True, None, "c"), "ticket must"),
-        ("session_gate_admit", ("s", [5], 4, True, "t", None), "client_id must"),
-        ("session_gate_admit", ("s", [5]), "got 2 arguments"),
-        ("session_gate_release", ("x",), "lease must be an int"),
-        ("session_gate_release", (), "got 0 arguments"),
-        ("session_gate_cancel", (5,), "ticket must"),
-        ("session_gate_finish", (None,), "session_id must"),
-        ("session_gate_renew", ("",), "client_id must"),
-        ("session_gate_stats", ("xml",), "fmt must be"),
-    ],
-)
 async def test_vllm_reads_each_bound_methods_signature_without_recomputing_it():
     """vLLM runs ``inspect.signature`` on the method of every utility call; the engine gate's
     bound methods carry one computed once (``gate_methods._Utility``), cached on the engine."""
@@ -199,6 +179,26 @@ async def test_vllm_reads_each_bound_methods_signature_without_recomputing_it():
     assert EngineCoreProc._convert_msgspec_args(bound, ("s", "c")) == ("s", "c")
 
 
+@pytest.mark.parametrize(
+    ("method", "args", "fragment"),
+    [
+        ("session_gate_admit", (5, b"\x05\x00\x00\x00", 4, True, "t", "c"), "session_id must"),
+        ("session_gate_admit", ("s", "abc", 4, True, "t", "c"), "token_ids"),
+        ("session_gate_admit", ("s", b"\x05\x00\x00", 4, True, "t", "c"), "multiple of 4"),
+        ("session_gate_admit", ("s", [5] * 5000, 4, True, "t", "c"), "max_model_len"),
+        ("session_gate_admit", ("s", [5], -1, True, "t", "c"), "max_tokens"),
+        ("session_gate_admit", ("s", [5], 4, "yes", "t", "c"), "retain_session"),
+        ("session_gate_admit", ("s", [5], 4, True, None, "c"), "ticket must"),
+        ("session_gate_admit", ("s", [5], 4, True, "t", None), "client_id must"),
+        ("session_gate_admit", ("s", [5]), "got 2 arguments"),
+        ("session_gate_release", ("x",), "lease must be an int"),
+        ("session_gate_release", (), "got 0 arguments"),
+        ("session_gate_cancel", (5,), "ticket must"),
+        ("session_gate_finish", (None,), "session_id must"),
+        ("session_gate_renew", ("",), "client_id must"),
+        ("session_gate_stats", ("xml",), "fmt must be"),
+    ],
+)
 async def test_bad_input_to_every_method_is_a_clear_error(engine, method, args, fragment):
     with pytest.raises(Exception, match="invalid engine gate input") as err:
         await engine.engine_core.call_utility_async(method, *args)
