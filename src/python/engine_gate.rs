@@ -264,11 +264,41 @@ fn plain_int<'a>(value: &'a Bound<'_, PyAny>) -> Option<&'a Bound<'a, PyAny>> {
     (value.cast::<PyInt>().is_ok() && value.cast::<PyBool>().is_err()).then_some(value)
 }
 
-/// The reasons' labels as Python strings, made once (an answer reuses them).
-type ReasonStrs = [Py<PyString>; Reason::ALL.len()];
+/// The keys of an admission's answer (`engine_us` is added to those answered in their call).
+const ADMITTED_KEYS: [&str; 14] = [
+    "status",
+    "lease",
+    "ticket",
+    "session_id",
+    "reason",
+    "wait_sec",
+    "usage",
+    "pressure",
+    "hit_ratio",
+    "retain_session",
+    "reserved",
+    "revoked",
+    "working_set_blocks",
+    "num_preempted",
+];
 
-fn reason_strs(py: Python<'_>) -> ReasonStrs {
-    Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind())
+/// What every answer reuses, made once: the reasons' labels as Python strings, and an
+/// admission's keys as a template dict (copying it is one allocation of the right size;
+/// filling a new dict grows it twice).
+struct ReasonStrs {
+    reasons: [Py<PyString>; Reason::ALL.len()],
+    admitted: Py<PyDict>,
+}
+
+fn reason_strs(py: Python<'_>) -> PyResult<ReasonStrs> {
+    let admitted = PyDict::new(py);
+    for key in ADMITTED_KEYS {
+        admitted.set_item(PyString::intern(py, key), py.None())?;
+    }
+    Ok(ReasonStrs {
+        reasons: Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind()),
+        admitted: admitted.unbind(),
+    })
 }
 
 /// `ticket` and `session_id` are the caller's own `str` objects when the admit answers in its
@@ -284,12 +314,13 @@ fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
         .iter()
         .position(|r| *r == a.reason)
         .expect("Reason::ALL lists every reason");
-    let d = PyDict::new(py);
+    // Every key is there already: each item below replaces a value, nothing grows.
+    let d = reasons.admitted.bind(py).copy()?;
     d.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
     d.set_item(intern!(py, "lease"), a.lease.0)?;
     d.set_item(intern!(py, "ticket"), ticket)?;
     d.set_item(intern!(py, "session_id"), session_id)?;
-    d.set_item(intern!(py, "reason"), reasons[reason].bind(py))?;
+    d.set_item(intern!(py, "reason"), reasons.reasons[reason].bind(py))?;
     d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
     d.set_item(intern!(py, "usage"), a.usage)?;
     d.set_item(intern!(py, "pressure"), a.pressure)?;
@@ -537,7 +568,7 @@ impl PyEngineGateBook {
                 release_time: LoopTime::default(),
                 time_parts: false,
                 parts: Parts::default(),
-                reasons: reason_strs(py),
+                reasons: reason_strs(py)?,
             })
         })
     }
