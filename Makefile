@@ -114,7 +114,9 @@ bench-clients: setup
 
 # The engine gate's own costs from one vllm serve run (about a minute): the middleware's added
 # latency (the same short completion with and without x-session-id, gate open) and the engine-loop
-# time of admit + release beside the usage probe's in the same run. The last line is JSON.
+# cost of admit + release (our native code's time per call, without vLLM's dispatch around it or
+# a prefix walk) beside the usage probe's in the same run. The last line is JSON. Add
+# --loop-splits to the command below to also time vLLM's dispatch and the native call's parts.
 bench-engine-gate: setup
 	$(PY) -m session_gate.bench.clients --modes ""
 

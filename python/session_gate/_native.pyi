@@ -263,7 +263,10 @@ class _GateStatsDict(TypedDict):
 class EngineGateBook:
     """The engine gate's core and bookkeeping (attempts by ticket, leases by holder, clients by
     last call) for its driver in vLLM's engine core: one native call per utility call. Engine
-    thread only; every call takes ``now`` (monotonic seconds)."""
+    thread only. ``admit`` and ``release`` are what vLLM calls for the utility methods: they
+    take the utility call's arguments and read the clock themselves (``time.monotonic``'s
+    scale); the others take ``now`` (``time.monotonic()``). Bad input raises ``ValueError``
+    starting with ``"invalid engine gate input"``."""
 
     def __new__(
         cls,
@@ -284,13 +287,12 @@ class EngineGateBook:
         session_id: object,
         token_ids: object,
         max_tokens: object,
-        retain_session: object,
-        ticket: object,
-        client_id: object,
-        now: float,
+        retain_session: object = True,
+        ticket: object = None,
+        client_id: object = None,
     ) -> dict[str, object] | object:
-        """The answer now (a dict), or a ``concurrent.futures.Future`` of it."""
-    def release(self, lease: object, client_id: object | None, now: float) -> bool: ...
+        """The answer now (a dict with ``engine_us``), or a ``concurrent.futures.Future``."""
+    def release(self, lease: object, client_id: object | None = None) -> bool: ...
     def cancel(self, ticket: object, client_id: object | None, now: float) -> bool: ...
     def finish(self, session_id: object, client_id: object | None, now: float) -> bool: ...
     def renew(self, client_id: object, now: float) -> tuple[int, int]:
@@ -300,6 +302,11 @@ class EngineGateBook:
     def stats(self) -> dict[str, object]: ...
     def prometheus(self) -> str: ...
     def check_invariants(self) -> None: ...
+    time_parts: bool
+    """Whether ``admit`` and ``release`` time their parts (``gate_splits``)."""
+    def last_parts(self) -> list[tuple[str, int]]:
+        """The last admit's or release's parts in ns (``args``, ``usage``, ``prefix``,
+        ``answer``, ``book``, ``total``) while ``time_parts`` is on."""
 
 @final
 class GateCore:

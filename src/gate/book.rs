@@ -93,6 +93,8 @@ struct Pending<T> {
     payload: T,
     /// Set while parked in a `Wait`: its deadline and its place in the waiting order.
     waiting: Option<(f64, u64)>,
+    /// Whether its client's set of pending attempts lists it (from its first `Wait` on).
+    listed: bool,
 }
 
 struct Held {
@@ -173,9 +175,9 @@ impl<T> EngineBook<T> {
                 "ticket {ticket:?} is already in use; every admit needs a new one"
             )));
         }
-        self.seen(client_id, now)
-            .attempts
-            .insert(ticket.to_string());
+        // The client's set of pending attempts learns this one only if it parks (`drive`):
+        // most admits end in their own call, and nothing outside sees them before that.
+        self.seen(client_id, now);
         let attempt = self
             .core
             .begin(session_id, prompt_tokens, max_tokens, retain_session, now);
@@ -187,6 +189,7 @@ impl<T> EngineBook<T> {
                 attempt,
                 payload,
                 waiting: None,
+                listed: false,
             },
         );
         let mut answer = self.drive(ticket, now, probes).map(|(_, a)| a);
@@ -447,27 +450,33 @@ impl<T> EngineBook<T> {
                         .get_mut(ticket)
                         .expect("driven attempt is pending");
                     p.waiting = Some((until, order));
+                    if !p.listed {
+                        p.listed = true;
+                        if let Some(c) = self.clients.get_mut(&p.client) {
+                            c.attempts.insert(ticket.to_string());
+                        }
+                    }
                     self.waiting.insert(order, ticket.to_string());
                     self.arm(until);
                     return None;
                 }
                 Action::Admit(admission) => {
+                    // The attempt's strings move into the lease's holder (no copies).
                     let lease = admission.lease.0;
-                    let p = self
-                        .attempts
-                        .get(ticket)
-                        .expect("driven attempt is pending");
-                    let holder = Held {
-                        client: p.client.clone(),
-                        session_id: p.session_id.clone(),
-                        ticket: ticket.to_string(),
-                    };
-                    if let Some(c) = self.clients.get_mut(&holder.client) {
+                    let p = self.forget(ticket);
+                    if let Some(c) = self.clients.get_mut(&p.client) {
                         c.leases.insert(lease);
                     }
-                    self.held.insert(lease, holder);
                     self.ticket_lease.insert(ticket.to_string(), lease);
-                    return Some(self.end(ticket, Answer::Admitted(admission)));
+                    self.held.insert(
+                        lease,
+                        Held {
+                            client: p.client,
+                            session_id: p.session_id,
+                            ticket: ticket.to_string(),
+                        },
+                    );
+                    return Some((p.payload, Answer::Admitted(admission)));
                 }
                 // The core already counted it and forgot the attempt.
                 Action::Preempted => {
@@ -497,6 +506,11 @@ impl<T> EngineBook<T> {
 
     /// The attempt is over: forget it.
     fn end(&mut self, ticket: &str, answer: Answer) -> (T, Answer) {
+        (self.forget(ticket).payload, answer)
+    }
+
+    /// Removes a pending attempt from every index (waiting order, its client's set).
+    fn forget(&mut self, ticket: &str) -> Pending<T> {
         let p = self
             .attempts
             .remove(ticket)
@@ -504,10 +518,12 @@ impl<T> EngineBook<T> {
         if let Some((_, order)) = p.waiting {
             self.waiting.remove(&order);
         }
-        if let Some(c) = self.clients.get_mut(&p.client) {
+        if p.listed
+            && let Some(c) = self.clients.get_mut(&p.client)
+        {
             c.attempts.remove(ticket);
         }
-        (p.payload, answer)
+        p
     }
 
     /// Wakes every waiter while the epoch moves (the core answers a spurious wake-up with the
@@ -740,6 +756,33 @@ mod tests {
         assert_eq!(resolved.len(), 1);
         assert!(matches!(resolved[0].answer, Answer::Admitted(_)));
         assert_eq!((b.num_held(), b.num_pending()), (1, 0));
+    }
+
+    #[test]
+    fn a_clients_pending_count_lists_only_parked_attempts_and_forgets_them_when_they_end() {
+        let mut b = book();
+        let mut p = Fixed { usage: 0.1 };
+        let hog = admitted(
+            b.admit("h", "c", "hog", 1500, 16, false, (), 0.0, &mut p)
+                .unwrap(),
+        );
+        assert_eq!(b.renew("c", 0.05, &mut p), (1, 0));
+        assert_eq!(
+            b.admit("w", "c", "w", 160, 16, true, (), 0.1, &mut p)
+                .unwrap(),
+            None
+        );
+        assert_eq!(b.renew("c", 0.15, &mut p), (1, 1));
+        assert!(
+            b.release(hog.lease.0, Some("c"), 0.2, &mut p),
+            "admits the waiter"
+        );
+        assert_eq!(b.take_resolved().len(), 1);
+        assert_eq!(
+            b.renew("c", 0.25, &mut p),
+            (1, 0),
+            "the admitted waiter left its client's pending set"
+        );
     }
 
     #[test]

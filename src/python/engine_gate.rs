@@ -6,22 +6,68 @@
 //! Python frame), calls the engine's prefix probe (Python, with its own native walk) only when
 //! the core asks for it, and answers deferred admits by resolving their
 //! `concurrent.futures.Future` (which vLLM sends back when it is done). Engine thread only.
+//!
+//! `admit` and `release` are what vLLM calls for `session_gate_admit` / `…_release` (no Python
+//! frame between: `gate_methods` binds them): they take the utility call's own arguments, read
+//! the clock themselves, raise every bad input as one `ValueError` starting with
+//! [`BAD_INPUT`], and time themselves (`engine_us`, the `*_loop_*` stats).
 use std::time::Instant;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt, PyString};
+use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple};
 
 use super::gate::{PyGateConfig, stats_dict};
 use super::guard::no_panic;
 use super::tokens::{TokenLimits, read_prompt};
 use crate::error::Error;
 use crate::gate::book::{Answer, BookProbes, EngineBook, Resolved};
-use crate::gate::{Admission, GateCore, PrefixReport, UsageReport};
+use crate::gate::{Admission, GateCore, PrefixReport, Reason, UsageReport};
 
 /// A client id, ticket or session id longer than this is refused (they are map keys).
 const MAX_ID_LEN: usize = 256;
+
+/// How every bad-input error of the engine gate starts (`gate_driver.BAD_GATE_INPUT`; the HTTP
+/// routes answer it with 400).
+const BAD_INPUT: &str = "invalid engine gate input";
+
+/// `TypeError`/`ValueError` (bad arguments) become one `ValueError` starting with [`BAD_INPUT`].
+fn bad_input(py: Python<'_>, e: PyErr) -> PyErr {
+    if e.is_instance_of::<PyTypeError>(py) || e.is_instance_of::<PyValueError>(py) {
+        PyValueError::new_err(format!("{BAD_INPUT}: {}", e.value(py)))
+    } else {
+        e
+    }
+}
+
+/// Engine-loop time of the calls answered in the call (admits that wait are not counted).
+#[derive(Default, Clone, Copy)]
+struct LoopTime {
+    calls: u64,
+    total_us: f64,
+    last_us: f64,
+}
+
+impl LoopTime {
+    fn record(&mut self, us: f64) {
+        self.calls += 1;
+        self.total_us += us;
+        self.last_us = us;
+    }
+}
+
+/// Nanoseconds of the last admit or release by part, kept only while `time_parts` is on
+/// (`gate_splits`): argument checks, the usage read, the prefix walk, the book and core, and
+/// the answer dict. The book's part is what the others leave of the whole call.
+#[derive(Default, Clone, Copy)]
+struct Parts {
+    args_ns: u64,
+    usage_ns: u64,
+    prefix_ns: u64,
+    answer_ns: u64,
+    total_ns: u64,
+}
 
 /// What the book keeps per pending admit: its prompt (for the prefix probe) and, once the
 /// admit waits, the future vLLM answers the caller with.
@@ -37,22 +83,34 @@ struct Probes<'a, 'py> {
     pool: &'a Bound<'py, PyAny>,
     prefix: &'a Bound<'py, PyAny>,
     block_size: u64,
+    /// `block_pool.num_gpu_blocks` (fixed for the pool's life), null block included.
+    num_gpu_blocks: u64,
     usage: Option<UsageReport>,
+    /// Whether to time the reads (`time_parts`), and their nanoseconds.
+    timed: bool,
+    usage_ns: u64,
+    prefix_ns: u64,
 }
 
 impl Probes<'_, '_> {
     fn read_usage(&self) -> PyResult<UsageReport> {
         let py = self.py;
-        let pool = self.pool;
-        // As `EngineState.usage()` reads it: vLLM's usage, and the null block never counts.
-        let kv_cache_usage: f64 = pool.call_method0(intern!(py, "get_usage"))?.extract()?;
-        let num_gpu_blocks: u64 = pool.getattr(intern!(py, "num_gpu_blocks"))?.extract()?;
-        let num_free_blocks: u64 = pool
-            .call_method0(intern!(py, "get_num_free_blocks"))?
+        // vLLM's `BlockPool.get_num_free_blocks()` and `get_usage()` without their two Python
+        // frames: the same attribute, the same float (the null block never counts).
+        let num_free_blocks: u64 = self
+            .pool
+            .getattr(intern!(py, "free_block_queue"))?
+            .getattr(intern!(py, "num_free_blocks"))?
             .extract()?;
+        let num_blocks = self.num_gpu_blocks.saturating_sub(1);
+        let kv_cache_usage = if num_blocks == 0 {
+            0.0
+        } else {
+            1.0 - num_free_blocks as f64 / num_blocks as f64
+        };
         Ok(UsageReport {
             kv_cache_usage,
-            num_blocks: num_gpu_blocks.saturating_sub(1),
+            num_blocks,
             num_free_blocks,
             num_cached_free_blocks: None,
             block_size: self.block_size,
@@ -96,9 +154,12 @@ impl BookProbes<Payload> for Probes<'_, '_> {
         if let Some(u) = self.usage {
             return Ok(u);
         }
-        let u = self
-            .read_usage()
-            .map_err(|e| format!("usage probe raised {e}"))?;
+        let started = self.timed.then(Instant::now);
+        let u = self.read_usage();
+        if let Some(t) = started {
+            self.usage_ns += t.elapsed().as_nanos() as u64;
+        }
+        let u = u.map_err(|e| format!("usage probe raised {e}"))?;
         self.usage = Some(u);
         Ok(u)
     }
@@ -118,7 +179,11 @@ impl BookProbes<Payload> for Probes<'_, '_> {
                     format!("prefix probe raised {e}")
                 }
             });
-        (report, started.elapsed().as_secs_f64())
+        let elapsed = started.elapsed();
+        if self.timed {
+            self.prefix_ns += elapsed.as_nanos() as u64;
+        }
+        (report, elapsed.as_secs_f64())
     }
 }
 
@@ -135,21 +200,36 @@ pub(crate) struct PyEngineGateBook {
     /// `concurrent.futures.Future`.
     future_cls: Py<PyAny>,
     block_size: u64,
+    num_gpu_blocks: u64,
     limits: TokenLimits,
+    /// `Instant` and `time.monotonic()` read together at construction: `now` for `admit` and
+    /// `release` without a Python call (both are `CLOCK_MONOTONIC` on Linux).
+    clock: (Instant, f64),
+    admit_time: LoopTime,
+    release_time: LoopTime,
+    time_parts: bool,
+    parts: Parts,
+    reasons: ReasonStrs,
 }
 
-/// A client id, ticket or session id: a non-empty `str` of at most [`MAX_ID_LEN`] characters.
-fn id_str(name: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
+/// A client id, ticket or session id: a non-empty `str` of at most [`MAX_ID_LEN`] characters
+/// (borrowed: the book copies what it keeps).
+fn id_str<'a>(name: &str, value: &'a Bound<'_, PyAny>) -> PyResult<&'a str> {
     if let Ok(s) = value.cast::<PyString>() {
         let s = s.to_str()?;
         if !s.is_empty() {
-            let n = s.chars().count();
+            // At most MAX_ID_LEN bytes is at most MAX_ID_LEN characters: count only beyond.
+            let n = if s.len() <= MAX_ID_LEN {
+                0
+            } else {
+                s.chars().count()
+            };
             if n > MAX_ID_LEN {
                 return Err(PyValueError::new_err(format!(
                     "{name} is {n} characters long, more than {MAX_ID_LEN}"
                 )));
             }
-            return Ok(s.to_owned());
+            return Ok(s);
         }
     }
     let type_name = value.get_type().name()?;
@@ -162,7 +242,17 @@ fn id_str(name: &str, value: &Bound<'_, PyAny>) -> PyResult<String> {
     ))
 }
 
-fn optional_id(name: &str, value: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
+/// An id argument that may be absent from the call (it then reads as `None`, and is refused).
+fn required_id<'a>(name: &str, value: Option<&'a Bound<'_, PyAny>>) -> PyResult<&'a str> {
+    match value {
+        Some(v) => id_str(name, v),
+        None => Err(PyTypeError::new_err(format!(
+            "{name} must be a non-empty str, got NoneType None"
+        ))),
+    }
+}
+
+fn optional_id<'a>(name: &str, value: Option<&'a Bound<'_, PyAny>>) -> PyResult<Option<&'a str>> {
     value
         .filter(|v| !v.is_none())
         .map(|v| id_str(name, v))
@@ -174,18 +264,63 @@ fn plain_int<'a>(value: &'a Bound<'_, PyAny>) -> Option<&'a Bound<'a, PyAny>> {
     (value.cast::<PyInt>().is_ok() && value.cast::<PyBool>().is_err()).then_some(value)
 }
 
-fn admission_dict<'py>(
+/// The keys of an admission's answer (`engine_us` is added to those answered in their call).
+const ADMITTED_KEYS: [&str; 14] = [
+    "status",
+    "lease",
+    "ticket",
+    "session_id",
+    "reason",
+    "wait_sec",
+    "usage",
+    "pressure",
+    "hit_ratio",
+    "retain_session",
+    "reserved",
+    "revoked",
+    "working_set_blocks",
+    "num_preempted",
+];
+
+/// What every answer reuses, made once: the reasons' labels as Python strings, and an
+/// admission's keys as a template dict (copying it is one allocation of the right size;
+/// filling a new dict grows it twice).
+struct ReasonStrs {
+    reasons: [Py<PyString>; Reason::ALL.len()],
+    admitted: Py<PyDict>,
+}
+
+fn reason_strs(py: Python<'_>) -> PyResult<ReasonStrs> {
+    let admitted = PyDict::new(py);
+    for key in ADMITTED_KEYS {
+        admitted.set_item(PyString::intern(py, key), py.None())?;
+    }
+    Ok(ReasonStrs {
+        reasons: Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind()),
+        admitted: admitted.unbind(),
+    })
+}
+
+/// `ticket` and `session_id` are the caller's own `str` objects when the admit answers in its
+/// call (nothing to copy), the book's copies when it answers later.
+fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
     py: Python<'py>,
-    ticket: &str,
-    session_id: &str,
+    ticket: S,
+    session_id: S,
     a: &Admission,
+    reasons: &ReasonStrs,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
+    let reason = Reason::ALL
+        .iter()
+        .position(|r| *r == a.reason)
+        .expect("Reason::ALL lists every reason");
+    // Every key is there already: each item below replaces a value, nothing grows.
+    let d = reasons.admitted.bind(py).copy()?;
     d.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
     d.set_item(intern!(py, "lease"), a.lease.0)?;
     d.set_item(intern!(py, "ticket"), ticket)?;
     d.set_item(intern!(py, "session_id"), session_id)?;
-    d.set_item(intern!(py, "reason"), a.reason.as_str())?;
+    d.set_item(intern!(py, "reason"), reasons.reasons[reason].bind(py))?;
     d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
     d.set_item(intern!(py, "usage"), a.usage)?;
     d.set_item(intern!(py, "pressure"), a.pressure)?;
@@ -198,14 +333,15 @@ fn admission_dict<'py>(
     Ok(d)
 }
 
-fn answer_dict<'py>(
+fn answer_dict<'py, S: IntoPyObject<'py> + Copy>(
     py: Python<'py>,
-    ticket: &str,
-    session_id: &str,
+    ticket: S,
+    session_id: S,
     answer: &Answer,
+    reasons: &ReasonStrs,
 ) -> PyResult<Bound<'py, PyDict>> {
     match answer {
-        Answer::Admitted(a) => admission_dict(py, ticket, session_id, a),
+        Answer::Admitted(a) => admission_dict(py, ticket, session_id, a, reasons),
         Answer::Preempted { num_preempted } => {
             let d = PyDict::new(py);
             d.set_item(intern!(py, "status"), intern!(py, "preempted"))?;
@@ -240,11 +376,117 @@ impl PyEngineGateBook {
             pool: &pool,
             prefix: &prefix,
             block_size: self.block_size,
+            num_gpu_blocks: self.num_gpu_blocks,
             usage: None,
+            timed: self.time_parts,
+            usage_ns: 0,
+            prefix_ns: 0,
         };
         let out = f(&mut self.book, &mut probes);
+        if self.time_parts {
+            self.parts.usage_ns = probes.usage_ns;
+            self.parts.prefix_ns = probes.prefix_ns;
+        }
         self.after_call(py)?;
         out
+    }
+
+    /// Monotonic seconds on `time.monotonic()`'s scale.
+    fn now(&self) -> f64 {
+        self.clock.1 + self.clock.0.elapsed().as_secs_f64()
+    }
+
+    /// The admit of [`Self::admit`], its arguments unpacked.
+    #[allow(clippy::too_many_arguments)]
+    fn admit_inner<'py>(
+        &mut self,
+        py: Python<'py>,
+        started: Instant,
+        session_id: &Bound<'py, PyAny>,
+        token_ids: &Bound<'py, PyAny>,
+        max_tokens: &Bound<'py, PyAny>,
+        retain_session: Option<&Bound<'py, PyAny>>,
+        ticket: Option<&Bound<'py, PyAny>>,
+        client_id: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let session_str = session_id;
+        let session_id = id_str("session_id", session_id)?;
+        let ticket_str = ticket;
+        let ticket = required_id("ticket", ticket)?;
+        let client_id = required_id("client_id", client_id)?;
+        let max_tokens = plain_int(max_tokens)
+            .and_then(|m| m.extract::<usize>().ok())
+            .ok_or_else(|| {
+                let shown = max_tokens.repr().map(|r| r.to_string()).unwrap_or_default();
+                PyValueError::new_err(format!(
+                    "max_tokens must be a non-negative int, got {shown}"
+                ))
+            })?;
+        let retain_session = match retain_session.map(|r| r.cast::<PyBool>()) {
+            None => true,
+            Some(Ok(b)) => b.is_true(),
+            Some(Err(_)) => {
+                let r = retain_session.expect("matched Some");
+                return Err(PyTypeError::new_err(format!(
+                    "retain_session must be a bool, got {}",
+                    r.get_type().name()?
+                )));
+            }
+        };
+        let prompt_tokens = read_prompt(token_ids, Some(self.limits))
+            .map_err(|e| PyValueError::new_err(format!("token_ids: {e}")))?
+            .len();
+        let payload = Payload {
+            token_ids: token_ids.clone().unbind(),
+            future: None,
+        };
+        if self.time_parts {
+            self.parts = Parts {
+                args_ns: started.elapsed().as_nanos() as u64,
+                ..Parts::default()
+            };
+        }
+        let now = self.now();
+        let answer = self.with_book(py, |book, probes| {
+            book.admit(
+                ticket,
+                client_id,
+                session_id,
+                prompt_tokens,
+                max_tokens,
+                retain_session,
+                payload,
+                now,
+                probes,
+            )
+            .map_err(|e| match e {
+                Error::InvalidInput(m) => PyValueError::new_err(m),
+                e => e.into(),
+            })
+        })?;
+        match answer {
+            Some(a) => {
+                let answered = self.time_parts.then(Instant::now);
+                let ticket_str = ticket_str.expect("a ticket was read above");
+                let d = answer_dict(py, ticket_str, session_str, &a, &self.reasons)?;
+                // Set last: the whole call but this one item.
+                let us = started.elapsed().as_secs_f64() * 1e6;
+                d.set_item(intern!(py, "engine_us"), us)?;
+                self.admit_time.record(us);
+                if let Some(t) = answered {
+                    self.parts.answer_ns = t.elapsed().as_nanos() as u64;
+                    self.parts.total_ns = started.elapsed().as_nanos() as u64;
+                }
+                Ok(d.into_any().unbind())
+            }
+            None => {
+                let future = self.future_cls.bind(py).call0()?.unbind();
+                if let Some(p) = self.book.payload_mut(ticket) {
+                    p.future = Some(future.clone_ref(py));
+                }
+                Ok(future)
+            }
+        }
     }
 
     fn after_call(&mut self, py: Python<'_>) -> PyResult<()> {
@@ -253,7 +495,7 @@ impl PyEngineGateBook {
         }
         if self.book.has_resolved() {
             for r in self.book.take_resolved() {
-                deliver(py, r)?;
+                deliver(py, r, &self.reasons)?;
             }
         }
         Ok(())
@@ -262,7 +504,7 @@ impl PyEngineGateBook {
 
 /// Answers a deferred admit (if its caller got a future; an admit answered in its own call
 /// never reaches here).
-fn deliver(py: Python<'_>, r: Resolved<Payload>) -> PyResult<()> {
+fn deliver(py: Python<'_>, r: Resolved<Payload>, reasons: &ReasonStrs) -> PyResult<()> {
     let Some(future) = r.payload.future else {
         return Ok(());
     };
@@ -270,7 +512,13 @@ fn deliver(py: Python<'_>, r: Resolved<Payload>) -> PyResult<()> {
     if future.call_method0(intern!(py, "done"))?.is_truthy()? {
         return Ok(());
     }
-    let answer = answer_dict(py, &r.ticket, &r.session_id, &r.answer)?;
+    let answer = answer_dict(
+        py,
+        r.ticket.as_str(),
+        r.session_id.as_str(),
+        &r.answer,
+        reasons,
+    )?;
     future.call_method1(intern!(py, "set_result"), (answer,))?;
     Ok(())
 }
@@ -284,6 +532,7 @@ impl PyEngineGateBook {
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         config: PyRef<'_, PyGateConfig>,
         lease_ttl_sec: f64,
         block_pool: Py<PyAny>,
@@ -296,6 +545,12 @@ impl PyEngineGateBook {
     ) -> PyResult<Self> {
         no_panic("EngineGateBook()", || {
             let core = GateCore::new(config.inner().clone())?;
+            let num_gpu_blocks: u64 = block_pool
+                .bind(py)
+                .getattr(intern!(py, "num_gpu_blocks"))?
+                .extract()?;
+            let monotonic = py.import("time")?.getattr("monotonic")?;
+            let clock = (Instant::now(), monotonic.call0()?.extract::<f64>()?);
             Ok(Self {
                 book: EngineBook::new(core, lease_ttl_sec)?,
                 pool: block_pool,
@@ -303,100 +558,75 @@ impl PyEngineGateBook {
                 arm,
                 future_cls,
                 block_size,
+                num_gpu_blocks,
                 limits: TokenLimits {
                     vocab_size,
                     max_model_len,
                 },
+                clock,
+                admit_time: LoopTime::default(),
+                release_time: LoopTime::default(),
+                time_parts: false,
+                parts: Parts::default(),
+                reasons: reason_strs(py)?,
             })
         })
     }
 
-    /// One admit: the answer as a dict if it ends now, else a `Future` of it. Bad arguments
-    /// raise `TypeError`/`ValueError` naming the argument.
-    #[allow(clippy::too_many_arguments)]
-    fn admit(
-        &mut self,
-        py: Python<'_>,
-        session_id: &Bound<'_, PyAny>,
-        token_ids: &Bound<'_, PyAny>,
-        max_tokens: &Bound<'_, PyAny>,
-        retain_session: &Bound<'_, PyAny>,
-        ticket: &Bound<'_, PyAny>,
-        client_id: &Bound<'_, PyAny>,
-        now: f64,
-    ) -> PyResult<Py<PyAny>> {
+    /// `session_gate_admit(session_id, token_ids, max_tokens, retain_session=True,
+    /// ticket=None, client_id=None)`, called by vLLM with the utility call's own arguments:
+    /// the answer as a dict if it ends now (with `engine_us`, this call's time), else a
+    /// `Future` of it. Bad arguments raise `ValueError("invalid engine gate input: ...")`
+    /// naming the argument.
+    #[pyo3(signature = (*args))]
+    fn admit(&mut self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<Py<PyAny>> {
+        let started = Instant::now();
         no_panic("EngineGateBook.admit", || {
-            let session_id = id_str("session_id", session_id)?;
-            let ticket = id_str("ticket", ticket)?;
-            let client_id = id_str("client_id", client_id)?;
-            let max_tokens = plain_int(max_tokens)
-                .and_then(|m| m.extract::<usize>().ok())
-                .ok_or_else(|| {
-                    let shown = max_tokens.repr().map(|r| r.to_string()).unwrap_or_default();
-                    PyValueError::new_err(format!(
-                        "max_tokens must be a non-negative int, got {shown}"
-                    ))
-                })?;
-            let retain_session = match retain_session.cast::<PyBool>() {
-                Ok(b) => b.is_true(),
-                Err(_) => {
-                    return Err(PyTypeError::new_err(format!(
-                        "retain_session must be a bool, got {}",
-                        retain_session.get_type().name()?
-                    )));
-                }
-            };
-            let prompt_tokens = read_prompt(token_ids, Some(self.limits))
-                .map_err(|e| PyValueError::new_err(format!("token_ids: {e}")))?
-                .len();
-            let payload = Payload {
-                token_ids: token_ids.clone().unbind(),
-                future: None,
-            };
-            let answer = self.with_book(py, |book, probes| {
-                book.admit(
-                    &ticket,
-                    &client_id,
-                    &session_id,
-                    prompt_tokens,
-                    max_tokens,
-                    retain_session,
-                    payload,
-                    now,
-                    probes,
-                )
-                .map_err(|e| match e {
-                    Error::InvalidInput(m) => PyValueError::new_err(m),
-                    e => e.into(),
-                })
-            })?;
-            match answer {
-                Some(a) => Ok(answer_dict(py, &ticket, &session_id, &a)?
-                    .into_any()
-                    .unbind()),
-                None => {
-                    let future = self.future_cls.bind(py).call0()?.unbind();
-                    if let Some(p) = self.book.payload_mut(&ticket) {
-                        p.future = Some(future.clone_ref(py));
-                    }
-                    Ok(future)
-                }
+            let n = args.len();
+            if !(3..=6).contains(&n) {
+                return Err(PyTypeError::new_err(format!(
+                    "session_gate_admit takes session_id, token_ids, max_tokens and optionally \
+                     retain_session, ticket, client_id: got {n} arguments"
+                )));
             }
+            let arg = |i: usize| (i < n).then(|| args.get_borrowed_item(i)).transpose();
+            let (a0, a1, a2) = (arg(0)?, arg(1)?, arg(2)?);
+            let (a3, a4, a5) = (arg(3)?, arg(4)?, arg(5)?);
+            self.admit_inner(
+                py,
+                started,
+                &a0.expect("n >= 3"),
+                &a1.expect("n >= 3"),
+                &a2.expect("n >= 3"),
+                a3.as_deref(),
+                a4.as_deref(),
+                a5.as_deref(),
+            )
         })
+        .map_err(|e| bad_input(py, e))
     }
 
-    /// Releases a lease (and renews `client_id`); false if it was unknown or released.
-    #[pyo3(signature = (lease, client_id, now))]
-    fn release(
-        &mut self,
-        py: Python<'_>,
-        lease: &Bound<'_, PyAny>,
-        client_id: Option<&Bound<'_, PyAny>>,
-        now: f64,
-    ) -> PyResult<bool> {
+    /// `session_gate_release(lease, client_id=None)`, called by vLLM with the utility call's
+    /// own arguments: releases a lease (and renews `client_id`); false if it was unknown or
+    /// released. Bad arguments raise as `admit`'s do.
+    #[pyo3(signature = (*args))]
+    fn release(&mut self, py: Python<'_>, args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        let started = Instant::now();
         no_panic("EngineGateBook.release", || {
-            let Some(lease) = plain_int(lease).and_then(|l| l.extract::<u64>().ok()) else {
-                if plain_int(lease).is_some() {
+            let n = args.len();
+            if !(1..=2).contains(&n) {
+                return Err(PyTypeError::new_err(format!(
+                    "session_gate_release takes lease and optionally client_id: got {n} arguments"
+                )));
+            }
+            let lease = args.get_borrowed_item(0)?;
+            let client_id = if n == 2 {
+                Some(args.get_borrowed_item(1)?)
+            } else {
+                None
+            };
+            let Some(lease) = plain_int(&lease).and_then(|l| l.extract::<u64>().ok()) else {
+                if plain_int(&lease).is_some() {
                     return Ok(false); // a negative or huge int names no lease
                 }
                 return Err(PyTypeError::new_err(format!(
@@ -404,11 +634,25 @@ impl PyEngineGateBook {
                     lease.get_type().name()?
                 )));
             };
-            let client_id = optional_id("client_id", client_id)?;
-            self.with_book(py, |book, probes| {
-                Ok(book.release(lease, client_id.as_deref(), now, probes))
-            })
+            let client_id = optional_id("client_id", client_id.as_deref())?;
+            if self.time_parts {
+                self.parts = Parts {
+                    args_ns: started.elapsed().as_nanos() as u64,
+                    ..Parts::default()
+                };
+            }
+            let now = self.now();
+            let released = self.with_book(py, |book, probes| {
+                Ok(book.release(lease, client_id, now, probes))
+            })?;
+            let us = started.elapsed().as_secs_f64() * 1e6;
+            self.release_time.record(us);
+            if self.time_parts {
+                self.parts.total_ns = started.elapsed().as_nanos() as u64;
+            }
+            Ok(released)
         })
+        .map_err(|e| bad_input(py, e))
     }
 
     /// Withdraws a pending admit or releases the lease it won in the race.
@@ -424,9 +668,10 @@ impl PyEngineGateBook {
             let ticket = id_str("ticket", ticket)?;
             let client_id = optional_id("client_id", client_id)?;
             self.with_book(py, |book, probes| {
-                Ok(book.cancel(&ticket, client_id.as_deref(), now, probes))
+                Ok(book.cancel(ticket, client_id, now, probes))
             })
         })
+        .map_err(|e| bad_input(py, e))
     }
 
     /// Ends a session's ownership window; whether it had one.
@@ -442,9 +687,10 @@ impl PyEngineGateBook {
             let session_id = id_str("session_id", session_id)?;
             let client_id = optional_id("client_id", client_id)?;
             self.with_book(py, |book, probes| {
-                Ok(book.finish(&session_id, client_id.as_deref(), now, probes))
+                Ok(book.finish(session_id, client_id, now, probes))
             })
         })
+        .map_err(|e| bad_input(py, e))
     }
 
     /// A client's heartbeat: `(leases, pending)` it holds.
@@ -456,8 +702,9 @@ impl PyEngineGateBook {
     ) -> PyResult<(usize, usize)> {
         no_panic("EngineGateBook.renew", || {
             let client_id = id_str("client_id", client_id)?;
-            self.with_book(py, |book, probes| Ok(book.renew(&client_id, now, probes)))
+            self.with_book(py, |book, probes| Ok(book.renew(client_id, now, probes)))
         })
+        .map_err(|e| bad_input(py, e))
     }
 
     /// Runs what is due; returns the clients declared dead as
@@ -491,9 +738,44 @@ impl PyEngineGateBook {
             e.set_item("lease_ttl_sec", self.book.lease_ttl_sec())?;
             e.set_item("leases_held", self.book.num_held())?;
             e.set_item("attempts_pending", self.book.num_pending())?;
+            // Engine-loop time of admits answered in their call and of releases.
+            for (call, t) in [("admit", self.admit_time), ("release", self.release_time)] {
+                e.set_item(format!("{call}_loop_calls"), t.calls)?;
+                e.set_item(format!("{call}_loop_us_total"), t.total_us)?;
+                e.set_item(format!("{call}_loop_us_last"), t.last_us)?;
+            }
             d.set_item("engine_gate", e)?;
             Ok(d)
         })
+    }
+
+    /// Whether `admit` and `release` time their parts (`gate_splits`; off by default).
+    #[getter]
+    fn get_time_parts(&self) -> bool {
+        self.time_parts
+    }
+
+    #[setter]
+    fn set_time_parts(&mut self, on: bool) {
+        self.time_parts = on;
+    }
+
+    /// The last admit's or release's parts in ns while `time_parts` is on: `args` (argument
+    /// checks and the prompt read), `usage` (the block pool read), `prefix` (the prefix walk),
+    /// `answer` (the answer dict), `book` (the rest: the book and the core) and `total`.
+    fn last_parts(&self) -> [(&'static str, u64); 6] {
+        let p = self.parts;
+        let book = p
+            .total_ns
+            .saturating_sub(p.args_ns + p.usage_ns + p.prefix_ns + p.answer_ns);
+        [
+            ("args", p.args_ns),
+            ("usage", p.usage_ns),
+            ("prefix", p.prefix_ns),
+            ("answer", p.answer_ns),
+            ("book", book),
+            ("total", p.total_ns),
+        ]
     }
 
     /// The core's Prometheus text.

@@ -70,6 +70,10 @@ async def test_a_lease_carries_the_gates_fields(gate):
     await asyncio.sleep(0.2)  # the release is on its way
     s = await gate.stats()
     assert s["leases_active"] == 0 and s["reservations_idle"] == 1
+    # The native calls time themselves: the engine-loop cost `make bench-engine-gate` reports.
+    loop = s["engine_gate"]
+    assert loop["admit_loop_calls"] >= 1 and loop["release_loop_calls"] >= 1
+    assert 0 < loop["release_loop_us_last"] <= loop["release_loop_us_total"]
     assert await gate.finish_session("fields")
     assert "session_gate_admissions_total" in await gate.prometheus()
 
@@ -145,6 +149,10 @@ async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
         "session_gate_admit", "orphan", pack_token_ids(prompt(11, 1500)), 16, True, "t-1", "gone"
     )
     assert answer["status"] == "admitted"
+    # Every field filled in (the answer is a copy of a template dict of its keys); hit_ratio is
+    # None because no prefix probe ran.
+    assert [k for k, v in answer.items() if v is None] == ["hit_ratio"]
+    assert answer["engine_us"] > 0
     started = time.monotonic()
     lease = await gate.acquire("heir", prompt(12, 500), 16)  # waits for the orphan's room
     assert lease.reason == "open" and 1.5 <= time.monotonic() - started < 3.0
@@ -153,6 +161,26 @@ async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
     assert not await call("session_gate_release", answer["lease"], None)  # gone already
     await lease.arelease()
     assert await gate.finish_session("heir")
+
+
+async def test_vllm_reads_each_bound_methods_signature_without_recomputing_it():
+    """vLLM runs ``inspect.signature`` on the method of every utility call; the engine gate's
+    bound methods carry one computed once (``gate_methods._Utility``), cached on the engine."""
+    import inspect
+
+    from session_gate.engine import gate_methods
+    from vllm.v1.engine.core import EngineCoreProc
+
+    class Core:
+        pass
+
+    core = Core()
+    utility = gate_methods._Utility(gate_methods.session_gate_finish)
+    bound = utility.__get__(core)
+    assert core.__dict__["session_gate_finish"] is bound
+    assert inspect.signature(bound) is utility.signature
+    assert list(utility.signature.parameters) == ["session_id", "client_id"]
+    assert EngineCoreProc._convert_msgspec_args(bound, ("s", "c")) == ("s", "c")
 
 
 @pytest.mark.parametrize(
@@ -166,7 +194,9 @@ async def test_a_silent_clients_lease_is_freed_after_the_ttl(engine, gate):
         ("session_gate_admit", ("s", [5], 4, "yes", "t", "c"), "retain_session"),
         ("session_gate_admit", ("s", [5], 4, True, None, "c"), "ticket must"),
         ("session_gate_admit", ("s", [5], 4, True, "t", None), "client_id must"),
+        ("session_gate_admit", ("s", [5]), "got 2 arguments"),
         ("session_gate_release", ("x",), "lease must be an int"),
+        ("session_gate_release", (), "got 0 arguments"),
         ("session_gate_cancel", (5,), "ticket must"),
         ("session_gate_finish", (None,), "session_id must"),
         ("session_gate_renew", ("",), "client_id must"),

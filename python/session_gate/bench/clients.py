@@ -8,7 +8,11 @@ and ``gate@1``, the single-client gate (all sessions in one process) the targets
 Sessions go to clients round-robin. The table is the bench's own report; the last line is JSON.
 
 Also measured, in the same server run: the middleware's added latency (the same short completion
-with and without ``x-session-id``, gate open) and the engine-loop time of admit + release.
+with and without ``x-session-id``, gate open) and the engine-loop cost of admit + release (our
+native code in the engine loop, from the engine's own timers; see ``_engine_loop_cost``).
+``--loop-splits`` also times vLLM's dispatch around it and the native call's parts
+(``session_gate.engine.gate_splits``); its timers add to what they measure, so the headline
+figures come from runs without it.
 """
 
 from __future__ import annotations
@@ -162,32 +166,49 @@ async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
     }
 
 
-async def _engine_loop_cost(url: str, n: int) -> dict[str, float]:
-    """Engine-loop microseconds of admit (answered at once, ``engine_us``) and release, read
-    from the engine's own timings (a 32-token prompt, gate open), beside the same run's
-    baseline: the O(1) usage probe, the cheapest utility call that reads the block pool."""
+async def _engine_loop_cost(url: str, n: int) -> dict[str, Any]:
+    """The engine-loop cost of one admit + release, from the engine's own timers: each call's
+    native time from entry to return (``engine_us`` in the admit's answer; the engine's
+    ``release_loop_us_last`` read after each release), which is all of our code in the call:
+    argument checks, the clock, the usage read, the book and the core, the answer dict. Not
+    included: vLLM's dispatch of the utility call around it (``--loop-splits`` measures that)
+    and the prefix walk, which an admit with the gate open does not run (checked: the core's
+    prefix probe count must not move). A 32-token prompt, gate open; beside it the same run's
+    O(1) usage probe, the cheapest utility call that reads the block pool."""
     from session_gate import HttpGate, HttpProbe
 
-    admit_us, usage_us = [], []
+    admit_us, release_us, usage_us = [], [], []
     async with HttpGate(url) as gate, HttpProbe(url) as probe:
-        before = (await gate.stats())["engine_gate"]
+        before = await gate.stats()
         for i in range(n):
             lease = await gate.acquire(f"loop-{i}", list(range(10, 42)), 1, retain_session=False)
             admit_us.append(lease.engine_us)
             await lease.arelease()
+            release_us.append((await gate.stats())["engine_gate"]["release_loop_us_last"])
             usage_us.append((await probe.usage())["engine_us"])
-        after = (await gate.stats())["engine_gate"]
-    q = statistics.quantiles(admit_us, n=100, method="inclusive")
-    released = after["release_loop_calls"] - before["release_loop_calls"]
-    release_us = (after["release_loop_us_total"] - before["release_loop_us_total"]) / released
+        after = await gate.stats()
+    walks = after["probes"]["prefix"]["count"] - before["probes"]["prefix"]["count"]
+    if walks:
+        raise RuntimeError(f"{walks} prefix walks during the engine-loop cost run (gate not open)")
+    qa, qr = (statistics.quantiles(v, n=100, method="inclusive") for v in (admit_us, release_us))
+    b, a = before["engine_gate"], after["engine_gate"]
+    released = a["release_loop_calls"] - b["release_loop_calls"]
     usage_p50 = statistics.median(usage_us)
+    splits = after["engine_gate"].get("loop_splits")
     return {
-        "admit_engine_us_p50": q[49],
-        "admit_engine_us_p99": q[98],
-        "release_engine_us_mean": release_us,
-        "admit_plus_release_us": q[49] + release_us,
+        "samples": n,
+        "admit_engine_us_p50": qa[49],
+        "admit_engine_us_p99": qa[98],
+        "release_engine_us_p50": qr[49],
+        "release_engine_us_p99": qr[98],
+        # As earlier rounds reported it (from the engine's totals).
+        "release_engine_us_mean": (a["release_loop_us_total"] - b["release_loop_us_total"])
+        / max(released, 1),
+        "admit_plus_release_us": qa[49] + qr[49],
+        "prefix_walks": walks,
         "usage_probe_engine_us_p50": usage_p50,
-        "admit_plus_release_over_usage_probe": (q[49] + release_us) / max(usage_p50, 1e-9),
+        "admit_plus_release_over_usage_probe": (qa[49] + qr[49]) / max(usage_p50, 1e-9),
+        **({"loop_splits": splits} if splits else {}),
     }
 
 
@@ -202,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead-requests", type=int, default=200)
+    p.add_argument(
+        "--loop-splits",
+        action="store_true",
+        help="time vLLM's dispatch, our glue and the native call of each admit and release "
+        "inside the engine (SESSION_GATE_LOOP_SPLITS=1; the timers add to what they measure)",
+    )
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
@@ -229,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         block_size=e.block_size,
         max_model_len=max_len,
         extra_args=extra,
+        env={"SESSION_GATE_LOOP_SPLITS": "1"} if args.loop_splits else None,
     )
     try:
         summaries = []

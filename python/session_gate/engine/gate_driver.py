@@ -105,8 +105,8 @@ class _Timer(threading.Thread):
 class EngineGateDriver:
     """The host of the native ``EngineGateBook`` (the gate core, the attempts waiting in it, the
     leases it issued and who holds them; ``src/gate/book.rs``): one native call per utility
-    call. This class keeps only what must be Python: the timer thread, the tick flag, the
-    engine-loop timings and the warning for a dead client.
+    call. This class keeps only what must be Python: the timer thread, the tick flag and the
+    warning for a dead client.
 
     ``engine`` is vLLM's ``EngineCore``; ``probes`` is what the engine half reads in-process
     (its ``block_pool``, ``block_size``, ``vocab_size``, ``max_model_len``, the prefix probe
@@ -120,8 +120,8 @@ class EngineGateDriver:
         self.config = config
         self.lease_ttl_sec = lease_ttl_sec
         self.counters = {"ticks": 0, "tick_errors": 0}
-        #: Engine-loop time of the calls answered at once: name → [count, total µs].
-        self._loop_us: dict[str, list[float]] = {"admit": [0, 0.0], "release": [0, 0.0]}
+        #: ``gate_splits.Splits`` while ``SESSION_GATE_LOOP_SPLITS=1`` times the calls.
+        self.loop_splits: Any = None
         #: Set by the timer thread; the engine thread ticks when it sees it.
         self.due = False
         #: When a due tick was first put off for queued requests (``tick_when_settled``).
@@ -139,27 +139,13 @@ class EngineGateDriver:
             Future,
         )
         self._timer.start()
-        # Bound once: these run in the engine loop on every turn.
-        self._admit = self._book.admit
-        self._release = self._book.release
+        #: What vLLM calls for ``session_gate_admit`` / ``…_release`` (``gate_methods`` binds
+        #: them to the engine core): the native methods themselves, which take the utility
+        #: call's arguments, read the clock, check and time themselves.
+        self.admit = self._book.admit
+        self.release = self._book.release
 
     # -- utility calls (engine thread) ------------------------------------------------------
-
-    def admit(
-        self,
-        session_id: Any,
-        token_ids: Any,
-        max_tokens: Any,
-        retain_session: Any,
-        ticket: Any,
-        client_id: Any,
-    ) -> dict[str, Any] | Future:
-        return self._admit(
-            session_id, token_ids, max_tokens, retain_session, ticket, client_id, _now()
-        )
-
-    def release(self, lease: Any, client_id: Any = None) -> bool:
-        return self._release(lease, client_id, _now())
 
     def cancel(self, ticket: Any, client_id: Any = None) -> bool:
         return self._book.cancel(ticket, client_id, _now())
@@ -173,19 +159,11 @@ class EngineGateDriver:
         leases, pending = self._book.renew(client_id, _now())
         return {"lease_ttl_sec": self.lease_ttl_sec, "leases": leases, "pending": pending}
 
-    def loop_time(self, call: str, us: float) -> None:
-        """Records how long one ``call`` held the engine loop (admits answered at once)."""
-        entry = self._loop_us[call]
-        entry[0] += 1
-        entry[1] += us
-
     def stats(self) -> dict[str, Any]:
         s = self._book.stats()
-        s["engine_gate"].update(
-            self.counters,
-            **{f"{call}_loop_calls": count for call, (count, _) in self._loop_us.items()},
-            **{f"{call}_loop_us_total": total for call, (_, total) in self._loop_us.items()},
-        )
+        s["engine_gate"].update(self.counters)
+        if self.loop_splits is not None:
+            s["engine_gate"]["loop_splits"] = self.loop_splits.summary()
         return s
 
     def prometheus(self) -> str:

@@ -16,20 +16,25 @@ Answers of ``session_gate_admit`` (a dict, ``status`` first):
 - ``expired``: its client stopped calling for ``lease_ttl_sec`` (see ``gate_driver``).
 
 Knobs: ``GateConfig.from_env()`` (``SESSION_GATE_*`` in the engine's environment) and
-``SESSION_GATE_LEASE_TTL_SEC``, read when the first call arrives. Bad arguments raise
-``TypeError``/``ValueError`` naming the argument; vLLM turns that into the call's failure message
-and the engine keeps serving.
+``SESSION_GATE_LEASE_TTL_SEC``, read once, when the first call arrives. Bad arguments raise a
+``ValueError`` starting with ``BAD_GATE_INPUT`` and naming the argument; vLLM turns that into
+the call's failure message and the engine keeps serving.
+
+Engine-loop cost: ``admit`` and ``release`` are the native ``EngineGateBook`` methods
+themselves, bound so that vLLM's per-call ``inspect.signature`` is cheap (:class:`_Utility`);
+``engine_us`` in an admit's answer and the ``*_loop_*`` stats are their own timings.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-import time
 from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import methods
+from session_gate.engine import gate_splits, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -38,8 +43,6 @@ from session_gate.engine.gate_driver import (
 )
 
 logger = logging.getLogger("session_gate")
-
-_clock_ns = time.perf_counter_ns
 
 
 class _Probes:
@@ -61,10 +64,13 @@ class _Probes:
 
 
 def _checked(call: Any, *args: Any) -> Any:
-    """Runs a driver call; bad arguments become one ValueError the HTTP routes answer 400."""
+    """Runs a driver call; bad arguments become one ValueError the HTTP routes answer 400
+    (the native calls raise theirs that way already)."""
     try:
         return call(*args)
     except (TypeError, ValueError) as exc:
+        if str(exc).startswith(BAD_GATE_INPUT):
+            raise
         raise ValueError(f"{BAD_GATE_INPUT}: {exc}") from None
 
 
@@ -96,29 +102,17 @@ def session_gate_admit(
 ) -> Any:
     """Admit one turn: a dict now, or a ``Future`` of it (see the module docstring).
     ``ticket`` (unique per attempt) lets ``session_gate_cancel`` withdraw it; ``client_id``
-    names the caller whose silence for ``lease_ttl_sec`` frees what it holds."""
-    started = _clock_ns()
-    driver = self.__dict__.get(DRIVER_ATTR) or _driver(self)
-    try:  # _checked, inline: this and release run in the engine loop on every turn
-        answer = driver.admit(session_id, token_ids, max_tokens, retain_session, ticket, client_id)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{BAD_GATE_INPUT}: {exc}") from None
-    if type(answer) is dict:
-        answer["engine_us"] = us = (_clock_ns() - started) / 1000.0
-        driver.loop_time("admit", us)
-    return answer
+    names the caller whose silence for ``lease_ttl_sec`` frees what it holds.
+
+    What vLLM calls is the native ``EngineGateBook.admit`` itself (see :class:`_Utility`),
+    with these same arguments: it checks them, reads the clock and times itself."""
+    return _driver(self).admit(session_id, token_ids, max_tokens, retain_session, ticket, client_id)
 
 
 def session_gate_release(self: EngineCore, lease: Any, client_id: Any = None) -> bool:
-    """Release a lease (its session keeps an idle grace window if it asked for one)."""
-    started = _clock_ns()
-    driver = self.__dict__.get(DRIVER_ATTR) or _driver(self)
-    try:
-        released = driver.release(lease, client_id)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{BAD_GATE_INPUT}: {exc}") from None
-    driver.loop_time("release", (_clock_ns() - started) / 1000.0)
-    return released
+    """Release a lease (its session keeps an idle grace window if it asked for one). What
+    vLLM calls is the native ``EngineGateBook.release`` itself (see :class:`_Utility`)."""
+    return _driver(self).release(lease, client_id)
 
 
 def session_gate_cancel(self: EngineCore, ticket: Any, client_id: Any = None) -> bool:
@@ -144,6 +138,41 @@ def session_gate_stats(self: EngineCore, fmt: Any = "json") -> Any:
     if fmt == "prometheus":
         return _driver(self).prometheus()
     raise ValueError(f'{BAD_GATE_INPUT}: fmt must be "json" or "prometheus", got {fmt!r}')
+
+
+class _Utility:
+    """A ``session_gate_*`` method on ``EngineCore`` whose bound form vLLM reads cheaply.
+
+    On every utility call vLLM runs ``inspect.signature`` on the method it looked up
+    (``EngineCoreProc._convert_msgspec_args``, looking for msgspec arguments to convert): for a
+    bound method of six parameters that is 20 µs or more of engine loop per call, longer than
+    the admit itself. So the first lookup on an engine builds the bound form once, a
+    ``functools.partial`` carrying a precomputed ``__signature__`` (which ``inspect.signature``
+    returns as it is), and caches it in the engine's ``__dict__``, where every later lookup
+    finds it before this (non-data) descriptor. For ``admit`` and ``release`` the partial wraps
+    the native method itself: no Python frame of ours runs in those calls."""
+
+    def __init__(self, fn: Any, native: str | None = None) -> None:
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+        self._native = native
+        params = list(inspect.signature(fn).parameters.values())[1:]  # without ``self``
+        self.signature = inspect.Signature(params)
+
+    def __get__(self, core: Any, owner: Any = None) -> Any:
+        if core is None:
+            return self
+        if self._native is None:
+            bound = functools.partial(self.fn, core)
+        else:  # the driver's native method (building the driver on the first call)
+            bound = functools.partial(getattr(_driver(core), self._native))
+        bound.__signature__ = self.signature  # type: ignore[attr-defined]
+        core.__dict__[self.fn.__name__] = bound
+        return bound
+
+    def __call__(self, core: Any, *args: Any) -> Any:
+        """``EngineCore.session_gate_x(core, ...)``, as a plain function would take it."""
+        return self.__get__(core)(*args)
 
 
 UTILITY_METHODS = {
@@ -173,6 +202,11 @@ def install() -> None:
     if getattr(EngineCore, "_session_gate_gate_installed", False):
         return
     for name, fn in UTILITY_METHODS.items():
-        setattr(EngineCore, name, fn)
+        native = {"session_gate_admit": "admit", "session_gate_release": "release"}.get(name)
+        setattr(EngineCore, name, _Utility(fn, native))
     EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
     EngineCore._session_gate_gate_installed = True
+    if gate_splits.enabled():  # measurement only: SESSION_GATE_LOOP_SPLITS=1
+        from vllm.v1.engine.core import EngineCoreProc
+
+        gate_splits.install(EngineCoreProc, DRIVER_ATTR)
