@@ -47,9 +47,19 @@ impl HashSlot {
             if ffi::Py_TYPE(block) != self.block_type.as_ptr().cast() {
                 return std::ptr::null_mut();
             }
-            *((block as *const u8).offset(self.offset) as *const *mut ffi::PyObject)
+            slot_value(block, self.offset)
         }
     }
+}
+
+/// The object pointer in slot `offset` of `obj` (borrowed, possibly null).
+///
+/// # Safety
+/// The GIL is held, `obj` is a live object and `offset` the offset of an object slot of its type.
+#[inline(always)]
+unsafe fn slot_value(obj: *mut ffi::PyObject, offset: isize) -> *mut ffi::PyObject {
+    // SAFETY: guaranteed by the caller.
+    unsafe { *((obj as *const u8).offset(offset) as *const *mut ffi::PyObject) }
 }
 
 /// A cached block and the hash object it carried when a lookup found it.
@@ -192,43 +202,46 @@ impl Residency for MapResidency<'_, '_> {
         let Some(slot) = self.slot else {
             return 0;
         };
-        for (i, witness) in witnesses.iter().enumerate() {
-            let Some(w) = witness else {
-                return i;
-            };
-            // SAFETY: we hold the GIL (a `Bound` proves it) and the witness keeps the block alive.
-            if unsafe { slot.hash_of(w.block.as_ptr()) } != w.hash.as_ptr() {
-                return i;
-            }
-        }
-        witnesses.len()
+        let offset = slot.offset;
+        // One load per block: its hash slot. The block's type is not checked again: it was
+        // exactly `KVCacheBlock` when the witness was taken, and CPython only lets `__class__`
+        // change to a type of the same layout (same size, same slots), so the offset still
+        // names the same slot. Reading the type cost a second cache line for half the blocks
+        // (a 96-byte object straddles two lines every other time).
+        witnesses
+            .iter()
+            .position(|witness| match witness {
+                // SAFETY: we hold the GIL (a `Bound` proves it), the witness keeps the block
+                // alive, and its type has the `_block_hash` slot at `offset` (see above).
+                Some(w) => unsafe { slot_value(w.block.as_ptr(), offset) != w.hash.as_ptr() },
+                None => true,
+            })
+            .unwrap_or(witnesses.len())
     }
 
-    /// Requests each witness's block object (its header and hash slot) a whole segment before
-    /// it is re-checked: the objects are scattered over the pool and usually cold after a model
-    /// step, and a fixed few blocks ahead (8, before) hid too little of each load.
+    /// Requests each witness's hash slot (the one cache line the re-check reads) a whole
+    /// segment before it is re-checked: the block objects are scattered over the pool and
+    /// usually cold after a model step, and a fixed few blocks ahead (8, before) hid too little
+    /// of each load.
     fn prefetch(&self, witnesses: &[Option<BlockWitness>]) {
         let Some(slot) = self.slot else {
             return;
         };
         for w in witnesses.iter().flatten() {
-            prefetch(w.block.as_ptr(), slot.offset);
+            prefetch(w.block.as_ptr().cast::<i8>().wrapping_offset(slot.offset));
         }
     }
 }
 
-/// Hints the CPU to load the cache lines of `obj`'s header and of its slot at `offset`.
-#[inline]
-fn prefetch(obj: *mut ffi::PyObject, offset: isize) {
+/// Hints the CPU to load the cache line at `at`.
+#[inline(always)]
+fn prefetch(at: *const i8) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
         // SAFETY: a prefetch is only a hint: it never faults, whatever the address.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(obj.cast());
-            _mm_prefetch::<_MM_HINT_T0>(obj.cast::<i8>().wrapping_offset(offset));
-        }
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at) }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (obj, offset);
+    let _ = at;
 }

@@ -78,6 +78,40 @@ def test_an_incremental_probe_after_an_eviction_reports_the_eviction(cache):
     assert answer["blocks_rechecked"] <= answer["hit_blocks"]
 
 
+def test_a_witness_rechecks_the_hash_slot_alone_even_after_a_class_change(cache):
+    """A re-check reads only the block's hash slot: its type was checked when the witness was
+    taken, and CPython lets ``__class__`` change only to a type of the same layout, so the slot
+    read is still the one vLLM writes. Blocks moved to such a class are still re-checked, and
+    their eviction is still reported."""
+    driver, state = cache
+    rng = random.Random(12)
+    prompt = random_prompt(rng, 8 * BLOCK + 1)
+    driver.run(prompt)
+    assert state.probe_answer("s", prompt)["hit_tokens"] == 8 * BLOCK
+    pool = driver.kv_cache_manager.block_pool
+    block_type = type(pool.blocks[1])
+
+    class SameLayout(block_type):
+        __slots__ = ()
+
+    class OtherLayout(block_type):
+        __slots__ = ("extra",)
+
+    with pytest.raises(TypeError, match="layout"):
+        pool.blocks[1].__class__ = OtherLayout
+    for block in pool.blocks:
+        block.__class__ = SameLayout
+    again = state.probe_answer("s", prompt)
+    assert (again["hit_tokens"], again["blocks_rechecked"]) == (8 * BLOCK, 8)
+    for _ in range(10):
+        driver.run(random_prompt(rng, 30 * BLOCK))
+        if state.probe_answer("s", prompt)["hit_tokens"] < 8 * BLOCK:
+            break
+    else:
+        pytest.fail("the session's blocks were never evicted")
+    assert assert_matches_vllm(driver, state, "s", prompt)["hit_tokens"] < 8 * BLOCK
+
+
 def test_a_grown_prompt_is_validated_where_it_differs_from_the_remembered_one(cache):
     """Ids the session's chain already holds were checked when stored; every other id is still
     checked, and a refused prompt leaves the remembered chain as it was."""

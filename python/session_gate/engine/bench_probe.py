@@ -243,6 +243,7 @@ def _breakdown(state: Any, prompt: list[int], grown: list[int]) -> dict[str, Any
         state.forget(sid)
     out["incremental_answer_us"] = statistics.median(answer_us)
     out["incremental_native_us"] = statistics.median(native_us)
+    out.update(_incremental_split(state, _native, cache, packed, packed_grown))
     out["native_full_us"] = statistics.median(
         _timed_us(lambda: full.probe(cache, None, packed), SAMPLES // 3)
     )
@@ -262,7 +263,60 @@ def _breakdown(state: Any, prompt: list[int], grown: list[int]) -> dict[str, Any
         _timed_us(lambda: lookups.probe(cache, "lookups", packed), SAMPLES // 3)
     )
     out["native_lookups_only_blocks"] = hit_blocks
+    # The turn's blocks are looked up one by one (no witness yet); what is left of the native
+    # incremental probe after its measured parts is the chain's growth.
+    turn_blocks = (len(packed_grown) - len(packed)) // 4 // state.block_size
+    out["split_turn_lookups_us"] = out["native_lookups_only_us"] / hit_blocks * turn_blocks
+    out["split_rest_us"] = out["incremental_native_us"] - sum(
+        out[k]
+        for k in (
+            "split_call_us",
+            "split_recheck_us",
+            "split_turn_hash_us",
+            "split_turn_lookups_us",
+        )
+    )
     return out
+
+
+def _incremental_split(
+    state: Any, native_module: Any, cache: Any, packed: bytes, grown: bytes
+) -> dict[str, Any]:
+    """The native incremental probe's parts, each timed alone (medians, same run): the fixed cost
+    of a call (a session's one-block prompt re-probed), the re-check of the resident chain (the
+    same 32K prompt re-probed: every block's witness re-checked and its tokens compared, nothing
+    hashed or looked up) and the turn's hashing (its 32 blocks, no lookup). ``_breakdown`` adds
+    the turn's 32 dict lookups (from the lookup-only probe) and what is left of
+    ``incremental_native_us``: the chain's growth (storing the new blocks and witnesses)."""
+    from vllm.v1.core import kv_cache_utils
+
+    native = state.native
+    samples = SAMPLES // 3
+    one_block = packed[: (state.block_size + 1) * 4]
+    native.probe(cache, "split-call", one_block)
+    call_us = statistics.median(
+        _timed_us(lambda: native.probe(cache, "split-call", one_block), samples)
+    )
+    native.forget("split-call")
+    native.probe(cache, "split-recheck", packed)
+    recheck_us = statistics.median(
+        _timed_us(lambda: native.probe(cache, "split-recheck", packed), samples)
+    )
+    native.forget("split-recheck")
+    turn = grown[len(packed) :]
+    hash_us = statistics.median(
+        _timed_us(
+            lambda: native_module.hash_chain_tip(
+                "sha256", kv_cache_utils.NONE_HASH, turn, state.block_size
+            ),
+            samples,
+        )
+    )
+    return {
+        "split_call_us": call_us,
+        "split_recheck_us": recheck_us,
+        "split_turn_hash_us": hash_us,
+    }
 
 
 def _full_probe_verdict(row: dict[str, Any]) -> dict[str, Any]:
@@ -372,6 +426,12 @@ def main() -> None:
             "incremental_probe_cold_us* follow 64 MB written in between, as after model steps",
             "speedup and speedup_ceiling divide by vLLM's path timed in this run: the VM's speed "
             "drifts between runs, so compare within one run",
+            "gpu_sized_block16.split_*_us: the native incremental probe's parts timed alone "
+            "(call, re-check of the 2,047 resident blocks, the turn's 32 hashes and 32 lookups, "
+            "rest = growing the chain); nothing in them grows with the pool, only with the blocks",
+            "on the 2-core dev VM (3 Dec) the warm incremental probe at 131K ranged 15-31 us "
+            "with the VM's speed (vLLM's path 5.4-9.6 ms); paired in one process, the one-line "
+            "re-check and one answer dict cut it 7.5%, the re-check 15% (README, 'Probe cost')",
         ],
     }
     if engine is not None:
