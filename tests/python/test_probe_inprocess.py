@@ -57,6 +57,16 @@ def test_a_resident_prefix_is_rechecked_without_lookups(cache):
     assert (again["blocks_rechecked"], again["blocks_hashed"]) == (19, 1)
 
 
+def fill_until_evicted(driver, state, rng, session: str, prompt: list[int], hit: int) -> None:
+    """Runs other sessions' 30-block prompts (at most 10) until ``session``'s probe of
+    ``prompt`` reports fewer than ``hit`` tokens: its blocks were handed out again."""
+    for _ in range(10):
+        driver.run(random_prompt(rng, 30 * BLOCK))
+        if state.probe_answer(session, prompt)["hit_tokens"] < hit:
+            return
+    pytest.fail(f"the blocks of session {session!r} were never evicted")
+
+
 def test_an_incremental_probe_after_an_eviction_reports_the_eviction(cache):
     driver, state = cache
     rng = random.Random(5)
@@ -66,12 +76,7 @@ def test_an_incremental_probe_after_an_eviction_reports_the_eviction(cache):
     assert state.probe_answer("victim", victim)["blocks_rechecked"] == 24
     # Other sessions take the cache: the free queue hands out the victim's blocks (tail first:
     # vLLM frees a request's blocks in reverse), evicting their hashes and caching new ones.
-    for _ in range(10):
-        driver.run(random_prompt(rng, 30 * BLOCK))
-        if state.probe_answer("victim", victim)["hit_tokens"] < 24 * BLOCK:
-            break
-    else:
-        pytest.fail("the victim was never evicted")
+    fill_until_evicted(driver, state, rng, "victim", victim, 24 * BLOCK)
     # The witnesses of the evicted (and reused) blocks no longer hold; the answer is vLLM's.
     answer = assert_matches_vllm(driver, state, "victim", victim)
     assert answer["hit_tokens"] < 24 * BLOCK
@@ -103,12 +108,7 @@ def test_a_witness_rechecks_the_hash_slot_alone_even_after_a_class_change(cache)
         block.__class__ = SameLayout
     again = state.probe_answer("s", prompt)
     assert (again["hit_tokens"], again["blocks_rechecked"]) == (8 * BLOCK, 8)
-    for _ in range(10):
-        driver.run(random_prompt(rng, 30 * BLOCK))
-        if state.probe_answer("s", prompt)["hit_tokens"] < 8 * BLOCK:
-            break
-    else:
-        pytest.fail("the session's blocks were never evicted")
+    fill_until_evicted(driver, state, rng, "s", prompt, 8 * BLOCK)
     assert assert_matches_vllm(driver, state, "s", prompt)["hit_tokens"] < 8 * BLOCK
 
 
