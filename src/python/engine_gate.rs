@@ -362,6 +362,16 @@ fn answer_dict<'py, S: IntoPyObject<'py> + Copy>(
 }
 
 impl PyEngineGateBook {
+    /// Starts a call's part timings (when on): its argument checks took until now.
+    fn start_parts(&mut self, started: Instant) {
+        if self.time_parts {
+            self.parts = Parts {
+                args_ns: started.elapsed().as_nanos() as u64,
+                ..Parts::default()
+            };
+        }
+    }
+
     /// Runs `f` on the book with this call's probes, then hands the timer its new deadline
     /// and answers every deferred admit that ended.
     fn with_book<'py, R>(
@@ -440,12 +450,7 @@ impl PyEngineGateBook {
             token_ids: token_ids.clone().unbind(),
             future: None,
         };
-        if self.time_parts {
-            self.parts = Parts {
-                args_ns: started.elapsed().as_nanos() as u64,
-                ..Parts::default()
-            };
-        }
+        self.start_parts(started);
         let now = self.now();
         let answer = self.with_book(py, |book, probes| {
             book.admit(
@@ -635,12 +640,7 @@ impl PyEngineGateBook {
                 )));
             };
             let client_id = optional_id("client_id", client_id.as_deref())?;
-            if self.time_parts {
-                self.parts = Parts {
-                    args_ns: started.elapsed().as_nanos() as u64,
-                    ..Parts::default()
-                };
-            }
+            self.start_parts(started);
             let now = self.now();
             let released = self.with_book(py, |book, probes| {
                 Ok(book.release(lease, client_id, now, probes))
