@@ -245,39 +245,24 @@ async fn handle(
         }
     };
     let path = format!("/v1/{rest}");
-    let attempts = proxy.replicas.list.len();
-    let mut last_failure = String::new();
     let (session, kind) = match (session, kind) {
         (Some(s), Kind::Completions | Kind::Chat) => (s, kind),
         (_, kind) => {
             // Ungated: no session, or a route the gate does not guard.
-            for _ in 0..attempts {
-                let Some(route) = proxy.replicas.route_ungated() else {
-                    return no_replica(&proxy, kind);
-                };
-                let replica = proxy.replicas.list[route.index].clone();
-                let attempt = forward(
-                    &proxy,
-                    &replica,
-                    kind,
-                    &path,
-                    method.clone(),
-                    &headers,
-                    body.clone(),
-                    None,
-                    route,
-                    started,
-                )
-                .await;
-                match attempt {
-                    Attempt::Done(response) => return response,
-                    Attempt::NotSent(why) => {
-                        replica.mark_unhealthy(&why);
-                        last_failure = why;
-                    }
-                }
-            }
-            return unreachable_replicas(&proxy, kind, &last_failure);
+            let (proxy, path, method, headers, body) = (&proxy, &path, &method, &headers, &body);
+            return each_replica(
+                proxy,
+                kind,
+                || proxy.replicas.route_ungated(),
+                move |replica, route| async move {
+                    let (method, body) = (method.clone(), body.clone());
+                    forward(
+                        proxy, &replica, kind, path, method, headers, body, None, route, started,
+                    )
+                    .await
+                },
+            )
+            .await;
         }
     };
     let request: Value = match serde_json::from_slice(&body) {
@@ -298,29 +283,49 @@ async fn handle(
         .or_else(|| request.get("max_completion_tokens"))
         .and_then(Value::as_u64)
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
-    // A replica that cannot be reached (at tokenize, admit or forward) has seen nothing of
-    // this request: the session is re-pinned to another healthy replica and the request goes
-    // there. Anything that may have reached vLLM is answered as it ended, never replayed.
-    for _ in 0..attempts {
-        let Some(route) = proxy.replicas.route_session(&session) else {
-            return no_replica(&proxy, kind);
-        };
+    let turn = Turn {
+        session: &session,
+        kind,
+        path: &path,
+        method: &method,
+        headers: &headers,
+        body: &body,
+        request: &request,
+        max_tokens,
+        started,
+    };
+    let next = || {
+        let route = proxy.replicas.route_session(&session)?;
         if let Some(from) = route.moved_from {
             leave_replica(&proxy, from, &session);
         }
-        let replica = proxy.replicas.list[route.index].clone();
-        let turn = Turn {
-            session: &session,
-            kind,
-            path: &path,
-            method: &method,
-            headers: &headers,
-            body: &body,
-            request: &request,
-            max_tokens,
-            started,
+        Some(route)
+    };
+    let proxy = &proxy;
+    each_replica(proxy, kind, next, move |replica, route| async move {
+        gated(proxy, &replica, turn, route).await
+    })
+    .await
+}
+
+/// Tries the request on one replica after another, as `next` routes it (at most once per
+/// replica), until one answers. A replica that cannot be reached (at tokenize, admit or
+/// forward) has seen nothing of the request: it is marked unhealthy, so the next route (a
+/// session is re-pinned) goes to another healthy one. Anything that may have reached vLLM is
+/// answered as it ended, never replayed.
+async fn each_replica<F: Future<Output = Attempt>>(
+    proxy: &Arc<Proxy>,
+    kind: Kind,
+    mut next: impl FnMut() -> Option<Route>,
+    mut attempt: impl FnMut(Arc<Replica>, Route) -> F,
+) -> Response {
+    let mut last_failure = String::new();
+    for _ in 0..proxy.replicas.list.len() {
+        let Some(route) = next() else {
+            return no_replica(proxy, kind);
         };
-        match gated(&proxy, &replica, turn, route).await {
+        let replica = proxy.replicas.list[route.index].clone();
+        match attempt(replica.clone(), route).await {
             Attempt::Done(response) => return response,
             Attempt::NotSent(why) => {
                 replica.mark_unhealthy(&why);
@@ -328,7 +333,7 @@ async fn handle(
             }
         }
     }
-    unreachable_replicas(&proxy, kind, &last_failure)
+    unreachable_replicas(proxy, kind, &last_failure)
 }
 
 /// Ends a session's window on the replica it just left (that replica is unhealthy): its
