@@ -1,6 +1,7 @@
 //! The replica twin for Python: `simulate(...)` runs one mode of a workload on a profile and
-//! returns its per-turn records and counters. One call is the whole simulation; the GIL is
-//! released while it runs.
+//! returns its per-turn records and counters; `simulate_rl_steps(...)` runs consecutive RL
+//! steps through one mode object (the gate core lives across steps). One call is the whole
+//! simulation; the GIL is released while it runs.
 use std::time::Instant;
 
 use pyo3::prelude::*;
