@@ -3,7 +3,9 @@
 //! waits and wake-ups, all on a replica whose every step takes exactly 10 ms.
 use session_gate::gate::GateConfig;
 use session_gate::sim::Replica;
-use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate};
+use session_gate::sim::driver::{
+    ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate, simulate_steps,
+};
 
 mod common;
 use common::{STEP, flat_replica as replica};
@@ -359,4 +361,68 @@ fn bad_specs_and_impossible_prompts_are_errors() {
     assert!(simulate(vec![huge], 0, replica(64), m.as_mut()).is_err());
     assert!(ModeSpec::from_kind("fast", 0, GateConfig::default()).is_err());
     assert!(ModeSpec::from_kind("cap", 0, GateConfig::default()).is_err());
+}
+
+/// A record's fields, times to the microsecond.
+fn key(r: &TurnRecord) -> (usize, u32, u32, u32, &'static str, u64, u64) {
+    let ms = |t: f64| (t * 1e6).round() as u64;
+    (
+        r.session,
+        r.turn,
+        r.prompt_tokens,
+        r.cached_tokens,
+        r.reason,
+        ms(r.ready_at),
+        ms(r.finished_at),
+    )
+}
+
+#[test]
+fn rl_steps_run_on_fresh_replicas_with_one_gate_object() {
+    // Two identical steps of two contending sessions. Each step starts on an empty replica (the
+    // prefix cache is reset between steps), so every step replays the single-step run exactly,
+    // turn for turn, in every mode; the gate core is the same object across steps, so its
+    // counters add up; a stateless mode is built afresh.
+    let step = || contending(&[(0, 8, 1.0), (40, 8, 0.5)]);
+    for mode in [
+        ModeSpec::Gate(GateConfig::default()),
+        ModeSpec::Cap(1),
+        ModeSpec::None,
+    ] {
+        let single = run(step(), 33, mode.clone());
+        let outs =
+            simulate_steps(vec![step(), step(), step()], 7, || Ok(replica(33)), &mode).unwrap();
+        assert_eq!(outs.len(), 3);
+        let want: Vec<_> = single.records.iter().map(key).collect();
+        for out in &outs {
+            let got: Vec<_> = out.records.iter().map(key).collect();
+            assert_eq!(got, want, "{mode:?}");
+            assert!(close(out.makespan_sec, single.makespan_sec));
+        }
+        if let ModeSpec::Gate(_) = mode {
+            let one = single.gate_stats.unwrap();
+            for (k, out) in outs.iter().enumerate() {
+                let s = out.gate_stats.as_ref().unwrap();
+                let k = k as u64 + 1;
+                assert_eq!(s.sessions_finished, k * one.sessions_finished);
+                assert_eq!(s.admissions_total(), k * one.admissions_total());
+                assert_eq!((s.pending, s.reservations_held), (0, 0));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_bad_step_fails_the_whole_rl_run() {
+    let mode = ModeSpec::Gate(GateConfig::default());
+    // A bad spec in a later step fails the whole run, naming what was wrong.
+    let bad = vec![session("x", 0, 10, 0.0, &[])];
+    let err = simulate_steps(
+        vec![contending(&[(0, 8, 0.0)]), bad],
+        7,
+        || Ok(replica(33)),
+        &mode,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("`x`: has no turns"), "{err}");
 }

@@ -35,6 +35,7 @@ __all__ = [
     "sim_profile_step_times",
     "sim_step_features",
     "simulate",
+    "simulate_rl_steps",
     "validate_prompt",
     "prompt_length",
 ]
@@ -522,6 +523,25 @@ def simulate(
     built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape unless a shape
     field is given. Returns ``records`` (columns), ``makespan_sec``, ``gate_stats`` (or None),
     ``replica_stats``, ``profile`` and ``wall_sec``. The GIL is released while it runs."""
+
+def simulate_rl_steps(
+    steps: Sequence[Sequence[_SimSession]],
+    mode: str,
+    *,
+    cap: int = 0,
+    config: GateConfig | None = None,
+    profile: str | None = None,
+    profile_path: str | None = None,
+    profile_text: str | None = None,
+    num_blocks: int | None = None,
+    block_size: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    seed: int = 0,
+) -> list[dict[str, object]]:
+    """Runs one mode over consecutive RL steps (one session list per step), each step on a
+    fresh replica, through ONE mode object: the gate core lives across steps, the other modes
+    start afresh. One ``simulate``-style dict per step (gate counters cumulative)."""
 
 def sim_profile_names() -> list[str]:
     """The built-in twin profiles."""

@@ -1,6 +1,7 @@
 //! The replica twin for Python: `simulate(...)` runs one mode of a workload on a profile and
-//! returns its per-turn records and counters. One call is the whole simulation; the GIL is
-//! released while it runs.
+//! returns its per-turn records and counters; `simulate_rl_steps(...)` runs consecutive RL
+//! steps through one mode object (the gate core lives across steps). One call is the whole
+//! simulation; the GIL is released while it runs.
 use std::time::Instant;
 
 use pyo3::prelude::*;
@@ -9,7 +10,7 @@ use pyo3::types::{PyDict, PyList};
 use super::gate::{PyGateConfig, stats_dict};
 use super::guard::no_panic;
 use crate::error::Error;
-use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate as run};
+use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 
 /// A session as Python passes it: `(session_id, system_tokens, task_tokens, arrival, turns)`,
@@ -91,42 +92,116 @@ fn simulate<'py>(
     seed: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
     no_panic("simulate", || {
-        let specs = read_sessions(sessions)?;
-        let gate_config = config.map(|c| c.inner().clone()).unwrap_or_default();
-        let spec = ModeSpec::from_kind(mode, cap, gate_config)?;
-        let cost = match (profile, profile_text) {
-            (Some(name), None) => CostModel::profile(name)?,
-            (None, Some(text)) => CostModel::from_toml(profile_path.unwrap_or("<profile>"), text)?,
-            _ => {
-                return Err(Error::InvalidInput(
-                    "give exactly one of profile= (a built-in name) or profile_text=".into(),
-                )
-                .into());
-            }
-        };
-        let d = ReplicaConfig::from_profile(&cost);
-        let shape = ReplicaConfig {
-            num_blocks: num_blocks.unwrap_or(d.num_blocks),
-            block_size: block_size.unwrap_or(d.block_size),
-            max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
-            max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
-        };
-        let (name, description) = (cost.name.clone(), cost.description.clone());
-        let engine = cost.engine.clone();
-        let n = specs.len();
-        let (out, wall) = py.detach(|| {
-            let started = Instant::now();
-            let out = Replica::new(shape, cost).and_then(|replica| {
-                let mut m = spec.build(n)?;
-                run(specs, seed, replica, m.as_mut())
-            });
-            (out, started.elapsed().as_secs_f64())
-        });
-        let out = out?;
-        let result = output_dict(py, &out)?;
+        let steps = vec![read_sessions(sessions)?];
+        let shape = [num_blocks, block_size, max_num_seqs, max_num_batched_tokens];
+        let source = (profile, profile_path, profile_text);
+        let mut out = run(py, steps, mode, cap, config, source, shape, seed)?;
+        Ok(out.remove(0))
+    })
+}
+
+/// Runs one mode over consecutive RL steps on the twin: `steps` is a list of session lists
+/// (one per step, as `simulate`'s `sessions`), each step on a fresh replica, all through ONE
+/// mode object, so the gate core (and its size prior) lives across steps; the other modes
+/// start afresh each step. Returns one `simulate`-style dict per step (the gate's counters
+/// cumulative). Keyword arguments as `simulate`'s.
+#[pyfunction]
+#[pyo3(signature = (
+    steps,
+    mode,
+    *,
+    cap=0,
+    config=None,
+    profile=None,
+    profile_path=None,
+    profile_text=None,
+    num_blocks=None,
+    block_size=None,
+    max_num_seqs=None,
+    max_num_batched_tokens=None,
+    seed=0,
+))]
+#[allow(clippy::too_many_arguments)]
+fn simulate_rl_steps<'py>(
+    py: Python<'py>,
+    steps: &Bound<'py, PyAny>,
+    mode: &str,
+    cap: u32,
+    config: Option<PyRef<'py, PyGateConfig>>,
+    profile: Option<&str>,
+    profile_path: Option<&str>,
+    profile_text: Option<&str>,
+    num_blocks: Option<u32>,
+    block_size: Option<u32>,
+    max_num_seqs: Option<u32>,
+    max_num_batched_tokens: Option<u32>,
+    seed: u64,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    no_panic("simulate_rl_steps", || {
+        let mut specs = Vec::new();
+        let iter = steps
+            .try_iter()
+            .map_err(|e| Error::InvalidInput(format!("steps: not iterable: {e}")))?;
+        for (k, item) in iter.enumerate() {
+            let item = item.map_err(|e| Error::InvalidInput(format!("steps[{k}]: {e}")))?;
+            specs.push(
+                read_sessions(&item)
+                    .map_err(|e| Error::InvalidInput(format!("steps[{k}]: {e}")))?,
+            );
+        }
+        if specs.is_empty() {
+            return Err(Error::InvalidInput("steps: expected at least one step".into()).into());
+        }
+        let shape = [num_blocks, block_size, max_num_seqs, max_num_batched_tokens];
+        let source = (profile, profile_path, profile_text);
+        run(py, specs, mode, cap, config, source, shape, seed)
+    })
+}
+
+/// The body of both entry points: one dict per step.
+#[allow(clippy::too_many_arguments)]
+fn run<'py>(
+    py: Python<'py>,
+    steps: Vec<Vec<SessionSpec>>,
+    mode: &str,
+    cap: u32,
+    config: Option<PyRef<'py, PyGateConfig>>,
+    (profile, profile_path, profile_text): (Option<&str>, Option<&str>, Option<&str>),
+    [num_blocks, block_size, max_num_seqs, max_num_batched_tokens]: [Option<u32>; 4],
+    seed: u64,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    let gate_config = config.map(|c| c.inner().clone()).unwrap_or_default();
+    let spec = ModeSpec::from_kind(mode, cap, gate_config)?;
+    let cost = match (profile, profile_text) {
+        (Some(name), None) => CostModel::profile(name)?,
+        (None, Some(text)) => CostModel::from_toml(profile_path.unwrap_or("<profile>"), text)?,
+        _ => {
+            return Err(Error::InvalidInput(
+                "give exactly one of profile= (a built-in name) or profile_text=".into(),
+            )
+            .into());
+        }
+    };
+    let d = ReplicaConfig::from_profile(&cost);
+    let shape = ReplicaConfig {
+        num_blocks: num_blocks.unwrap_or(d.num_blocks),
+        block_size: block_size.unwrap_or(d.block_size),
+        max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
+        max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
+    };
+    let (name, description) = (cost.name.clone(), cost.description.clone());
+    let engine = cost.engine.clone();
+    let (out, wall) = py.detach(|| {
+        let started = Instant::now();
+        let out = simulate_steps(steps, seed, || Replica::new(shape, cost.clone()), &spec);
+        (out, started.elapsed().as_secs_f64())
+    });
+    let mut dicts = Vec::new();
+    for o in out? {
+        let result = output_dict(py, &o)?;
         let p = PyDict::new(py);
-        p.set_item("name", name)?;
-        p.set_item("description", description)?;
+        p.set_item("name", &name)?;
+        p.set_item("description", &description)?;
         p.set_item("num_blocks", shape.num_blocks)?;
         p.set_item("block_size", shape.block_size)?;
         p.set_item("max_num_seqs", shape.max_num_seqs)?;
@@ -134,8 +209,9 @@ fn simulate<'py>(
         p.set_item("engine", engine_dict(py, &engine)?)?;
         result.set_item("profile", p)?;
         result.set_item("wall_sec", wall)?;
-        Ok(result)
-    })
+        dicts.push(result);
+    }
+    Ok(dicts)
 }
 
 fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyDict>> {
@@ -226,6 +302,7 @@ fn sim_profile_names() -> Vec<&'static str> {
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate_rl_steps, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
     Ok(())
 }

@@ -152,6 +152,37 @@ pub fn simulate(
     })
 }
 
+/// Runs consecutive RL steps, `steps[k]` being step k's sessions, each on a fresh replica from
+/// `replica` (vLLM's prefix cache is reset when new weights are loaded) and all through ONE
+/// mode of kind `spec`: a mode that keeps state across steps (the gate core, see
+/// [`Mode::next_step`]) is carried over, the others are built afresh for each step. One output
+/// per step; the gate's counters are cumulative over the steps so far.
+pub fn simulate_steps(
+    steps: Vec<Vec<SessionSpec>>,
+    seed: u64,
+    mut replica: impl FnMut() -> Result<Replica>,
+    spec: &ModeSpec,
+) -> Result<Vec<SimOutput>> {
+    let mut mode: Option<Box<dyn Mode>> = None;
+    let mut out = Vec::with_capacity(steps.len());
+    for sessions in steps {
+        let n = sessions.len();
+        let m = match mode.take() {
+            Some(mut m) => {
+                if m.next_step(n) {
+                    m
+                } else {
+                    spec.build(n)?
+                }
+            }
+            None => spec.build(n)?,
+        };
+        let m = mode.insert(m);
+        out.push(simulate(sessions, seed, replica()?, m.as_mut())?);
+    }
+    Ok(out)
+}
+
 struct Sim {
     replica: Replica,
     clients: Vec<Client>,

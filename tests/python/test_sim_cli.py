@@ -199,3 +199,37 @@ def test_a_trace_runs_on_the_profile_s_replica_shape(tmp_path):
         "max_num_batched_tokens": 8192,
     }
     assert "calibrated_engine" not in summaries[0]["replica"]  # a hand-written profile
+
+
+def test_rl_steps_share_one_gate_and_the_matrix_reports_each_step_and_the_later_mean(
+    tmp_path, capsys
+):
+    from session_gate.bench import matrix
+    from session_gate.sim.twin import run_twin_steps
+
+    steps = [workloads.default_workload(s) for s in (0, 100, 200)]
+    gate = Mode.parse("gate")
+    multi = [r.summary() for r in run_twin_steps(steps, gate, "cpu-tiny")]
+    # Each step runs on a fresh replica: what the gate does not learn, it replays exactly.
+    for w, s in zip(steps, multi, strict=True):
+        alone = run_twin(w, gate, "cpu-tiny").summary()
+        assert (s["makespan_sec"], s["prefill_tokens"]) == (
+            alone["makespan_sec"],
+            alone["prefill_tokens"],
+        )
+    # One gate object: its counters add up over the steps.
+    assert multi[2]["revocations"] >= multi[1]["revocations"] >= multi[0]["revocations"] > 0
+
+    out = tmp_path / "m.json"
+    argv = ["--real-workloads", "", "--steps", "3", "--twin-runs", "default@cpu-tiny"]
+    argv += ["--twin-modes", "cap8,gate", "--out", str(out), "--plot", str(tmp_path / "m.png")]
+    matrix.main(argv)
+    printed = capsys.readouterr().out
+    assert "gate: steps" in printed and "later mean" in printed
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["workloads"]["default@cpu-tiny"]}
+    row = rows["gate"]
+    assert [s["makespan_sec"] for s in row["steps"]] == [s["makespan_sec"] for s in multi]
+    assert row["makespan_sec"] == pytest.approx(
+        (multi[1]["makespan_sec"] + multi[2]["makespan_sec"]) / 2
+    )
+    assert len(rows["cap8"]["steps"]) == 3

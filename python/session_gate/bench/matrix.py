@@ -77,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="rebuild the matrix from earlier --out files instead of running anything "
         "(runs of one workload merge, a mode run again replaces the earlier)",
     )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="twin only: run each workload as this many consecutive RL steps with ONE gate "
+        "object (step k draws the workload with seed SEED + 100k; stateless modes start "
+        "afresh each step); a row is the mean of the steps after the first",
+    )
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-matrix.json")
@@ -179,6 +187,7 @@ def run_twin(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     """The twin half, or nothing when the twin is not installed."""
     try:
         from session_gate.sim.twin import run_twin as simulate
+        from session_gate.sim.twin import run_twin_steps as simulate_steps
     except ImportError:
         print("the replica twin (session_gate.sim) is not installed: twin half skipped")
         return {}
@@ -192,8 +201,45 @@ def run_twin(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         key = f"{workload_name}@{profile}"
         print(f"twin: {key}", flush=True)
         names = args.twin_modes if profile == "cpu-tiny" else args.twin_gpu_modes
-        out[key] = [simulate(workload, m, profile).summary() for m in modes(names)]
+        if args.steps <= 1:
+            out[key] = [simulate(workload, m, profile).summary() for m in modes(names)]
+            continue
+        steps = [table[workload_name](args.seed + STEP_SEED * k) for k in range(args.steps)]
+        out[key] = []
+        for m in modes(names):
+            summaries = [r.summary() for r in simulate_steps(steps, m, profile)]
+            row = later_steps(summaries)
+            print(
+                f"  {m.name}: steps "
+                + " ".join(
+                    f"{s['makespan_sec']:.1f}s/rc{s['recompute_ratio']:.2f}" for s in summaries
+                )
+                + f" -> later mean {row['makespan_sec']:.1f}s",
+                flush=True,
+            )
+            out[key].append(row)
     return out
+
+
+#: Step k of a multi-step twin run draws its workload with seed ``--seed + STEP_SEED * k``.
+STEP_SEED = 100
+
+
+def later_steps(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One matrix row for a multi-step run: the mean of the steps after the first (where a
+    gate that learns across steps has something learned), with every step's makespan and
+    recompute kept under ``steps``."""
+    later = summaries[1:] or summaries
+    row = dict(later[-1])
+    for k in ("makespan_sec", "hit_rate", "ideal_hit_rate", "recompute_ratio", "late_turn_p90_sec"):
+        row[k] = sum(s[k] for s in later) / len(later)
+    for k in ("lost_tokens", "cancellations", "revocations"):
+        row[k] = sum(s.get(k, 0) for s in later)
+    row["steps"] = [
+        {k: s.get(k) for k in ("makespan_sec", "recompute_ratio", "hit_rate", "revocations")}
+        for s in summaries
+    ]
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:

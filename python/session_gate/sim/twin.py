@@ -66,6 +66,19 @@ def run_twin(
 ) -> ModeResult:
     """Simulate ``workload`` in ``mode`` on ``profile`` with the gate ``knobs`` (ignored by
     modes without a gate); the result says ``engine="twin:<profile>"``."""
+    return run_twin_steps([workload], mode, profile, knobs, shape)[0]
+
+
+def run_twin_steps(
+    steps: list[Workload],
+    mode: Mode,
+    profile: str,
+    knobs: dict[str, Any] | None = None,
+    shape: dict[str, int] | None = None,
+) -> list[ModeResult]:
+    """Consecutive RL steps (``steps[k]`` is step k's workload) with ONE mode object: the
+    gate core, and what it learned, lives across steps; the other modes start afresh each
+    step; each step runs on a fresh replica. One result per step, as :func:`run_twin`'s."""
     from session_gate import _native
 
     if mode.scaled:
@@ -73,15 +86,19 @@ def run_twin(
             f"mode {mode.name}: the twin runs the baselines with their literal time constants"
         )
     config = _native.GateConfig(**(knobs or {})) if mode.kind in ("seed", "gate") else None
-    out = _native.simulate(
-        native_sessions(workload),
+    outs = _native.simulate_rl_steps(
+        [native_sessions(w) for w in steps],
         mode.kind,
         cap=mode.cap,
         config=config,
-        seed=workload.seed,
+        seed=steps[0].seed,
         **profile_args(profile),
-        **replica_shape(workload, shape),
+        **replica_shape(steps[0], shape),
     )
+    return [_result(w, mode, profile, out) for w, out in zip(steps, outs, strict=True)]
+
+
+def _result(workload: Workload, mode: Mode, profile: str, out: dict[str, Any]) -> ModeResult:
     records = _records(workload, out["records"], out["profile"]["block_size"])
     stats = dict(out["replica_stats"])
     stats["wall_sec"] = out["wall_sec"]

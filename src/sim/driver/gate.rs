@@ -265,4 +265,19 @@ impl Mode for GateMode {
     fn gate_stats(&self) -> Option<GateStats> {
         Some(self.core.stats())
     }
+
+    /// One gate object across RL steps: the core (and what it learned) stays, the per-run
+    /// driver state starts over. The previous run ended with every session finished, so the
+    /// core holds no attempt, lease or reservation.
+    fn next_step(&mut self, sessions: usize) -> bool {
+        self.attempts = vec![None; sessions];
+        self.leases = vec![None; sessions];
+        self.probe_memos = vec![HitMemo::default(); sessions];
+        self.parked.clear();
+        self.timers.clear();
+        self.pending.clear();
+        self.deadlines.clear();
+        self.seen_epoch = self.core.epoch();
+        true
+    }
 }
