@@ -2,7 +2,7 @@
 
 On every utility call vLLM runs ``inspect.signature`` on the method it looked up
 (``EngineCoreProc._convert_msgspec_args``, looking for msgspec arguments to convert): for a
-bound method that is 20-75 µs of engine loop per call on a 2-core VM, longer than a probe or an
+bound method that is 17-75 µs of engine loop per call on a 2-core VM, longer than a probe or an
 admit itself. So the first lookup on an engine builds the bound form once, a
 ``functools.partial`` carrying a precomputed ``__signature__`` (which ``inspect.signature``
 returns as it is), and caches it in the engine's ``__dict__``, where every later lookup finds it
