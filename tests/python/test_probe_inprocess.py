@@ -251,3 +251,43 @@ def assert_python_matches_vllm(driver, state, tokens) -> int:
     actual = driver.run(tokens)
     assert answer["hit_tokens"] == actual, f"probe said {answer['hit_tokens']}, vLLM {actual}"
     return actual
+
+
+def test_vllm_reads_each_probe_methods_signature_without_recomputing_it(cache):
+    """vLLM runs ``inspect.signature`` on the method of every utility call; the installed probe
+    methods (``utility.Utility``) bind, once per engine, the engine state's own answer methods
+    with a signature computed once, cached in the engine's ``__dict__``."""
+    import inspect
+
+    from session_gate.engine import methods
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    driver, state = cache
+    methods.install()
+
+    class Core:  # stands in for an EngineCore whose probe state was already built
+        pass
+
+    core = Core()
+    core.__dict__[methods._STATE_ATTR] = state
+    for name, params, answer_method in (
+        ("session_gate_usage", ["count_cached_free"], state.usage_answer),
+        ("session_gate_probe", ["session_id", "token_ids"], state.probe_answer),
+        ("session_gate_forget", ["session_id"], state.forget),
+    ):
+        utility = EngineCore.__dict__[name]
+        bound = utility.__get__(core)
+        assert core.__dict__[name] is bound, name
+        assert bound.func == answer_method and bound.args == (), name
+        assert inspect.signature(bound) is utility.signature, name
+        assert list(utility.signature.parameters) == params
+    tokens = random_prompt(random.Random(77), 5 * 16 + 1)
+    args = EngineCoreProc._convert_msgspec_args(core.session_gate_probe, ("sig", tokens))
+    assert args == ("sig", tokens)
+    answer = core.session_gate_probe(*args)
+    assert answer["path"] == "native" and answer["engine_us"] > 0
+    assert answer["hit_tokens"] == driver.run(tokens)  # vLLM's own count, right after
+    assert core.session_gate_probe(*args)["hit_tokens"] == 5 * 16
+    assert core.session_gate_forget("sig") is True
+    # A plain call through the class, as a function would be called, answers the same.
+    assert EngineCore.session_gate_usage(core, False)["num_cached_free_blocks"] is None

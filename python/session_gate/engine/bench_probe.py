@@ -13,7 +13,9 @@ same run:
   methods.
 
 Per size and call: the engine-loop time per call (each answer's own ``engine_us`` timer: what every
-running sequence waits), median and p99. The probes: usage (O(1)), usage with the exact
+running sequence waits), median and p99; on the CPU engine also the whole utility call as vLLM's
+loop makes it (``*_dispatch_us``: method lookup, ``inspect.signature``, the call; see
+``_dispatch``). The probes: usage (O(1)), usage with the exact
 free-but-cached count (opt-in, linear), a full probe of a 32,768-token prompt, and an incremental
 probe (the same session's prompt grown by a 512-token turn, every block resident), timed straight
 after the session's previous probe (warm caches) and, as ``incremental_probe_cold_us``, after
@@ -227,22 +229,25 @@ def _breakdown(state: Any, prompt: list[int], grown: list[int]) -> dict[str, Any
             incremental() for _ in range(SAMPLES // 3)
         )
     full = _native.ProbeEngine(*args)
-    # The utility method's answer against its own native call, alternating on one engine, so
-    # both see the same caches and the same moment of the VM: what the Python around the call
-    # (argument checks, the answer dict, the O(1) usage fields) adds to the engine loop.
-    answer_us, native_us = [], []
-    for i in range(SAMPLES // 3):
+    # The utility method's answer, its own native call, and the native re-check alone (the same
+    # prompt re-probed), rotating on one engine, each straight after a fresh session's full
+    # probe: all three see the same caches and the same moments of the VM, so their difference
+    # is the turn's work (hashing, lookups, growing the chain), not the loop they ran in.
+    timed: dict[str, list[float]] = {"answer": [], "native": [], "recheck": []}
+    for i in range(SAMPLES // 2):
         sid = f"pair-{i}"
         state.probe(sid, packed)
-        if i % 2:
-            t0 = time.perf_counter_ns()
-            state.native.probe(cache, sid, packed_grown)
-            native_us.append((time.perf_counter_ns() - t0) / 1000.0)
+        kind = ("answer", "native", "recheck")[i % 3]
+        if kind == "answer":
+            timed[kind].append(state.probe_answer(sid, packed_grown)["engine_us"])
         else:
-            answer_us.append(state.probe_answer(sid, packed_grown)["engine_us"])
+            again = packed_grown if kind == "native" else packed
+            t0 = time.perf_counter_ns()
+            state.native.probe(cache, sid, again)
+            timed[kind].append((time.perf_counter_ns() - t0) / 1000.0)
         state.forget(sid)
-    out["incremental_answer_us"] = statistics.median(answer_us)
-    out["incremental_native_us"] = statistics.median(native_us)
+    out["incremental_answer_us"] = statistics.median(timed["answer"])
+    out["incremental_native_us"] = statistics.median(timed["native"])
     out.update(_incremental_split(state, _native, cache, packed, packed_grown))
     out["native_full_us"] = statistics.median(
         _timed_us(lambda: full.probe(cache, None, packed), SAMPLES // 3)
@@ -263,18 +268,16 @@ def _breakdown(state: Any, prompt: list[int], grown: list[int]) -> dict[str, Any
         _timed_us(lambda: lookups.probe(cache, "lookups", packed), SAMPLES // 3)
     )
     out["native_lookups_only_blocks"] = hit_blocks
-    # The turn's blocks are looked up one by one (no witness yet); what is left of the native
-    # incremental probe after its measured parts is the chain's growth.
+    # The turn's blocks are looked up one by one (no witness yet). The re-check (with the
+    # call) is timed in the incremental probe's own setting, rotating with it above; what the
+    # turn adds on top of it is hashing, lookups and growing the chain, and the rest after the
+    # first two is the growth.
     turn_blocks = (len(packed_grown) - len(packed)) // 4 // state.block_size
     out["split_turn_lookups_us"] = out["native_lookups_only_us"] / hit_blocks * turn_blocks
-    out["split_rest_us"] = out["incremental_native_us"] - sum(
-        out[k]
-        for k in (
-            "split_call_us",
-            "split_recheck_us",
-            "split_turn_hash_us",
-            "split_turn_lookups_us",
-        )
+    out["split_recheck_us"] = statistics.median(timed["recheck"])
+    out["split_turn_us"] = out["incremental_native_us"] - out["split_recheck_us"]
+    out["split_rest_us"] = out["split_turn_us"] - (
+        out["split_turn_hash_us"] + out["split_turn_lookups_us"]
     )
     return out
 
@@ -282,12 +285,12 @@ def _breakdown(state: Any, prompt: list[int], grown: list[int]) -> dict[str, Any
 def _incremental_split(
     state: Any, native_module: Any, cache: Any, packed: bytes, grown: bytes
 ) -> dict[str, Any]:
-    """The native incremental probe's parts, each timed alone (medians, same run): the fixed cost
-    of a call (a session's one-block prompt re-probed), the re-check of the resident chain (the
-    same 32K prompt re-probed: every block's witness re-checked and its tokens compared, nothing
-    hashed or looked up) and the turn's hashing (its 32 blocks, no lookup). ``_breakdown`` adds
-    the turn's 32 dict lookups (from the lookup-only probe) and what is left of
-    ``incremental_native_us``: the chain's growth (storing the new blocks and witnesses)."""
+    """Parts of the native incremental probe timed alone, each in a loop of the same call
+    (medians, same run): the fixed cost of a call (a session's one-block prompt re-probed), the
+    re-check of the resident chain with hot caches (``split_recheck_hot_us``: the same 32K prompt
+    re-probed back to back; ``_breakdown`` times the re-check where the incremental probe runs,
+    straight after a full probe, as ``split_recheck_us``) and the turn's hashing (its 32 blocks,
+    no lookup)."""
     from vllm.v1.core import kv_cache_utils
 
     native = state.native
@@ -314,7 +317,7 @@ def _incremental_split(
     )
     return {
         "split_call_us": call_us,
-        "split_recheck_us": recheck_us,
+        "split_recheck_hot_us": recheck_us,
         "split_turn_hash_us": hash_us,
     }
 
@@ -373,9 +376,54 @@ def bench_engine(prompt: list[int], grown: list[int]) -> dict[str, Any]:
             block,
         )
         row["num_cached_blocks"] = len(pool.cached_block_hash_to_block)
+        row.update(_dispatch(core, prompt, grown))
         return row
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def _dispatch(core: Any, prompt: list[int], grown: list[int]) -> dict[str, Any]:
+    """The engine-loop time per utility call as vLLM's busy loop spends it
+    (``EngineCoreProc._handle_client_request``): look the method up on the engine, convert the
+    arguments (``_convert_msgspec_args``: ``inspect.signature`` of the method), call it; only
+    the queueing of the output is left out. ``engine_us`` (the answer's own timer) starts inside
+    the call, so ``*_dispatch_us - engine_us`` is vLLM's part. ``signature_us`` times the
+    signature step alone on the installed method (``utility.Utility``: computed once) and
+    ``signature_plain_us`` on a plain bound method (how the probes were installed before)."""
+    import types
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from session_gate.engine import methods
+
+    convert = EngineCoreProc._convert_msgspec_args
+    packed, packed_grown = (array.array("I", t).tobytes() for t in (prompt, grown))
+
+    def call(name: str, *args: Any) -> tuple[Any, float]:
+        t0 = time.perf_counter_ns()
+        method = getattr(core, name)
+        answer = method(*convert(method, args))
+        return answer, (time.perf_counter_ns() - t0) / 1000.0
+
+    usage_us = [call("session_gate_usage", False)[1] for _ in range(SAMPLES)]
+    incremental_us, overhead_us = [], []
+    for i in range(SAMPLES):
+        sid = f"dispatch-{i}"
+        call("session_gate_probe", sid, packed)
+        answer, us = call("session_gate_probe", sid, packed_grown)
+        incremental_us.append(us)
+        overhead_us.append(us - answer["engine_us"])
+        call("session_gate_forget", sid)
+    installed = core.session_gate_probe
+    plain = types.MethodType(methods.UTILITY_METHODS["session_gate_probe"], core)
+    args = ("s", packed_grown)
+    row: dict[str, Any] = {}
+    row["usage_dispatch_us"], row["usage_dispatch_p99_us"] = _stats(usage_us)
+    row["incremental_dispatch_us"], row["incremental_dispatch_p99_us"] = _stats(incremental_us)
+    row["dispatch_overhead_us"] = statistics.median(overhead_us)
+    row["signature_us"] = statistics.median(_timed_us(lambda: convert(installed, args), SAMPLES))
+    row["signature_plain_us"] = statistics.median(_timed_us(lambda: convert(plain, args), SAMPLES))
+    return row
 
 
 def _print_row(name: str, row: dict[str, Any]) -> None:
@@ -422,13 +470,22 @@ def main() -> None:
         "full_probe_target_reachable": gpu["full_probe_target_reachable"],
         "gpu_sized_block16": gpu,
         "notes": [
+            "engine-loop time per call: *_probe_us* are each answer's own engine_us (the "
+            "method's work: argument checks, the native call, the answer dict); "
+            "*_dispatch_us (CPU engine only) is the whole utility call as vLLM's busy loop "
+            "makes it (method lookup, inspect.signature, the call), engine_us included; only "
+            "queueing the output is left out",
             "incremental_probe_us* are warm (straight after the session's previous probe); "
             "incremental_probe_cold_us* follow 64 MB written in between, as after model steps",
             "speedup and speedup_ceiling divide by vLLM's path timed in this run: the VM's speed "
             "drifts between runs, so compare within one run",
-            "gpu_sized_block16.split_*_us: the native incremental probe's parts timed alone "
-            "(call, re-check of the 2,047 resident blocks, the turn's 32 hashes and 32 lookups, "
-            "rest = growing the chain); nothing in them grows with the pool, only with the blocks",
+            "gpu_sized_block16.split_*_us: the native incremental probe's parts. split_recheck_us "
+            "(re-check of the 2,047 resident blocks, with the call) rotates with "
+            "incremental_native_us, both straight after a fresh session's full probe; "
+            "split_turn_us is their difference (the turn: 32 hashes, 32 lookups, growing the "
+            "chain), split_rest_us that minus split_turn_hash_us and split_turn_lookups_us (each "
+            "timed alone in a loop): the growth. split_call_us and split_recheck_hot_us are the "
+            "same calls repeated back to back (hot caches)",
             "on the 2-core dev VM (3 Dec) the warm incremental probe at 131K ranged 15-31 us "
             "with the VM's speed (vLLM's path 5.4-9.6 ms); paired in one process, the one-line "
             "re-check and one answer dict cut it 7.5%, the re-check 15% (README, 'Probe cost')",
@@ -438,6 +495,10 @@ def main() -> None:
         result.update(
             usage_probe_us=engine["usage_probe_us"],
             incremental_probe_us=engine["incremental_probe_us"],
+            # The whole utility call as vLLM's loop makes it (method lookup, its signature, the
+            # call), beside the answer's own engine_us above.
+            usage_dispatch_us=engine["usage_dispatch_us"],
+            incremental_dispatch_us=engine["incremental_dispatch_us"],
             engine_block32=engine,
         )
     print(json.dumps(result, sort_keys=True))

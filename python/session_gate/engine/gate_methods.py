@@ -28,7 +28,6 @@ themselves, bound so that vLLM's per-call ``inspect.signature`` is cheap (:class
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from typing import Any
 
@@ -41,6 +40,7 @@ from session_gate.engine.gate_driver import (
     EngineGateDriver,
     lease_ttl_from_env,
 )
+from session_gate.engine.utility import Utility as _Utility
 
 logger = logging.getLogger("session_gate")
 
@@ -140,41 +140,6 @@ def session_gate_stats(self: EngineCore, fmt: Any = "json") -> Any:
     raise ValueError(f'{BAD_GATE_INPUT}: fmt must be "json" or "prometheus", got {fmt!r}')
 
 
-class _Utility:
-    """A ``session_gate_*`` method on ``EngineCore`` whose bound form vLLM reads cheaply.
-
-    On every utility call vLLM runs ``inspect.signature`` on the method it looked up
-    (``EngineCoreProc._convert_msgspec_args``, looking for msgspec arguments to convert): for a
-    bound method of six parameters that is 20 µs or more of engine loop per call, longer than
-    the admit itself. So the first lookup on an engine builds the bound form once, a
-    ``functools.partial`` carrying a precomputed ``__signature__`` (which ``inspect.signature``
-    returns as it is), and caches it in the engine's ``__dict__``, where every later lookup
-    finds it before this (non-data) descriptor. For ``admit`` and ``release`` the partial wraps
-    the native method itself: no Python frame of ours runs in those calls."""
-
-    def __init__(self, fn: Any, native: str | None = None) -> None:
-        self.fn = fn
-        self.__doc__ = fn.__doc__
-        self._native = native
-        params = list(inspect.signature(fn).parameters.values())[1:]  # without ``self``
-        self.signature = inspect.Signature(params)
-
-    def __get__(self, core: Any, owner: Any = None) -> Any:
-        if core is None:
-            return self
-        if self._native is None:
-            bound = functools.partial(self.fn, core)
-        else:  # the driver's native method (building the driver on the first call)
-            bound = functools.partial(getattr(_driver(core), self._native))
-        bound.__signature__ = self.signature  # type: ignore[attr-defined]
-        core.__dict__[self.fn.__name__] = bound
-        return bound
-
-    def __call__(self, core: Any, *args: Any) -> Any:
-        """``EngineCore.session_gate_x(core, ...)``, as a plain function would take it."""
-        return self.__get__(core)(*args)
-
-
 UTILITY_METHODS = {
     "session_gate_admit": session_gate_admit,
     "session_gate_release": session_gate_release,
@@ -183,6 +148,11 @@ UTILITY_METHODS = {
     "session_gate_renew": session_gate_renew,
     "session_gate_stats": session_gate_stats,
 }
+
+
+def _native_method(name: str, core: EngineCore) -> Any:
+    """The driver's native method ``name`` (building the driver on the first call)."""
+    return getattr(_driver(core), name)
 
 
 def _wrap_post_step(original: Any) -> Any:
@@ -203,7 +173,9 @@ def install() -> None:
         return
     for name, fn in UTILITY_METHODS.items():
         native = {"session_gate_admit": "admit", "session_gate_release": "release"}.get(name)
-        setattr(EngineCore, name, _Utility(fn, native))
+        # For admit and release vLLM calls the driver's native method itself.
+        bind = None if native is None else functools.partial(_native_method, native)
+        setattr(EngineCore, name, _Utility(fn, bind))
     EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
     EngineCore._session_gate_gate_installed = True
     if gate_splits.enabled():  # measurement only: SESSION_GATE_LOOP_SPLITS=1

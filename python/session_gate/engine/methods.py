@@ -5,6 +5,12 @@ model steps: a probe never enters the scheduler's queues, never allocates, frees
 block, and never changes vLLM's prefix-cache statistics. Every exception becomes the utility
 call's failure message (vLLM catches ``Exception`` around utility methods), and the native module
 turns Rust panics into ``RuntimeError`` so nothing escapes that net.
+
+Engine-loop cost: vLLM looks a utility method up and runs ``inspect.signature`` on it on every
+call. The installed methods are ``utility.Utility`` descriptors, so what vLLM calls is the engine
+state's own ``usage_answer`` / ``probe_answer`` / ``forget``, with a signature computed once.
+``engine_us`` in an answer is that method's own time; ``make bench-probe`` also times the whole
+call as vLLM's loop makes it (``*_dispatch_us``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
+
+from session_gate.engine.utility import Utility
 
 logger = logging.getLogger("session_gate")
 
@@ -321,6 +329,14 @@ UTILITY_METHODS = {
     "session_gate_forget": session_gate_forget,
 }
 
+#: What vLLM calls for each method (see ``utility.Utility``): the engine state's own method,
+#: so neither vLLM's per-call ``inspect.signature`` nor a frame of ours runs around it.
+_BOUND = {
+    "session_gate_usage": lambda core: _state(core).usage_answer,
+    "session_gate_probe": lambda core: _state(core).probe_answer,
+    "session_gate_forget": lambda core: _state(core).forget,
+}
+
 
 def install() -> None:
     """Add the utility methods to ``EngineCore`` (idempotent). Logs a warning when the native
@@ -332,5 +348,5 @@ def install() -> None:
     if native is None:
         logger.warning("session_gate: %s; probes will report it and vLLM serves unchanged", error)
     for name, fn in UTILITY_METHODS.items():
-        setattr(EngineCore, name, fn)
+        setattr(EngineCore, name, Utility(fn, _BOUND[name]))
     EngineCore._session_gate_installed = True
