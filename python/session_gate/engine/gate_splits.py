@@ -8,7 +8,7 @@ Off unless ``SESSION_GATE_LOOP_SPLITS=1`` is in the engine core's environment; t
 - ``dispatch``: vLLM's whole handling of the request (``EngineCoreProc._handle_client_request``),
   and inside it ``invoke`` (``_invoke_utility_method``: the method lookup, the call, wrapping the
   result, queueing the output) and ``convert`` (``_convert_msgspec_args``: ``inspect.signature``
-  of the method, see ``gate_methods._Utility``);
+  of the method, see ``utility.Utility``);
 - ``method``: the call of the bound utility method vLLM looked up;
 - ``native``: the native call's own time (``EngineGateBook`` times itself), split into
   ``args`` (argument checks and the prompt read), ``usage`` (the block pool read), ``prefix``
@@ -154,7 +154,7 @@ def install(engine_core_proc_cls: Any, driver_attr: str) -> Splits:
 
 
 def _time_bound_method(core: Any, name: str, splits: Splits, driver_attr: str) -> None:
-    """Replaces the engine's cached bound method (``gate_methods._Utility``) by a timed one
+    """Replaces the engine's cached bound method (``utility.Utility``) by a timed one
     with the same precomputed signature, and turns on the native call's part timers."""
     bound = core.__dict__.get(name)
     driver = core.__dict__.get(driver_attr)
