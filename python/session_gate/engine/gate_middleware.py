@@ -9,9 +9,16 @@ for the engine gate (the one in the engine core, shared by every API-server proc
 
 - the prompt is tokenized exactly as the route will (the endpoint plugin's tokenizer path), its
   working set is the prompt plus ``max_completion_tokens``/``max_tokens`` (512 when absent);
-- admitted: the request goes on, with ``x-session-gate-reason`` and ``x-session-gate-wait-ms``
-  response headers; the lease is released when the response ends — streamed or not, finished,
-  failed or abandoned by its client;
+- admitted: the request goes on, with ``x-session-gate-reason``, ``x-session-gate-wait-ms`` and
+  ``x-session-gate-client`` (the API-server process's client id the lease is held under) response
+  headers; the lease is released when the response ends — streamed or not, finished, failed or
+  abandoned by its client;
+- while the admit call travels to the engine core and back, vLLM already parses and renders the
+  request: the server's ``engine_client.generate`` is wrapped so that a gated request reaches the
+  engine only once admitted, and its response starts only once the gate has answered (a refused
+  request's response is replaced by the refusal). This hides most of the round trip, the bulk
+  of the middleware's cost. Where the completion and chat handlers do not generate through that
+  client, the middleware admits first and calls the app after;
 - a newer request of the same session arrives while this one waits: this one is answered 409
   (vLLM's error shape, ``type`` ``"Conflict"``);
 - the client disconnects while waiting: its attempt is cancelled in the engine;
