@@ -20,11 +20,12 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, keep_log, word_ids
+from conftest import SERVE_TIMEOUT, get_text, keep_log, metric, word_ids
 from session_gate.engine.serve import _start, free_port, stop
 from session_gate.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
 
@@ -100,6 +101,11 @@ def finish(url: str, session_id: str) -> None:
     assert r.status_code == 200 and r.json()["finished"], r.text
 
 
+def prompt_tokens(url: str) -> float:
+    """The prompt tokens vLLM's engine has taken in, summed over the API-server processes."""
+    return metric(get_text(f"{url}/metrics"), "vllm:prompt_tokens_total")
+
+
 def stats(url: str) -> dict:
     r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
     assert r.status_code == 200, r.text
@@ -144,9 +150,18 @@ def test_admits_through_different_processes_commit_against_one_line(url):
     try:
         other = None
         for i in range(TRIES):
+            before = prompt_tokens(url)
+            assert before >= 3136  # the hog's prompt was counted
             started = time.monotonic()
-            r = gated(url, f"line-cold-{i}", word_ids(2000 + 10 * i, 600), 32)  # 20 blocks
+            with ThreadPoolExecutor(1) as pool:
+                turn = pool.submit(gated, url, f"line-cold-{i}", word_ids(2000 + 10 * i, 600), 32)
+                time.sleep(MAX_WAIT / 2)
+                # While it waits, vLLM already handles it but holds it from the engine.
+                assert not turn.done() and prompt_tokens(url) == before
+                r = turn.result()
             waited = time.monotonic() - started
+            # The counter is live: the admitted turn's prompt shows in it (it could have above).
+            assert prompt_tokens(url) >= before + 600
             finish(url, f"line-cold-{i}")
             # Through either process: the one line holds it back until max_wait_sec.
             assert r.headers["x-session-gate-reason"] == "max_wait", dict(r.headers)
