@@ -9,9 +9,16 @@ for the engine gate (the one in the engine core, shared by every API-server proc
 
 - the prompt is tokenized exactly as the route will (the endpoint plugin's tokenizer path), its
   working set is the prompt plus ``max_completion_tokens``/``max_tokens`` (512 when absent);
-- admitted: the request goes on, with ``x-session-gate-reason`` and ``x-session-gate-wait-ms``
-  response headers; the lease is released when the response ends — streamed or not, finished,
-  failed or abandoned by its client;
+- admitted: the request goes on, with ``x-session-gate-reason``, ``x-session-gate-wait-ms`` and
+  ``x-session-gate-client`` (the API-server process's client id the lease is held under) response
+  headers; the lease is released when the response ends — streamed or not, finished, failed or
+  abandoned by its client;
+- while the admit call travels to the engine core and back, vLLM already parses and renders the
+  request: the server's ``engine_client.generate`` is wrapped so that a gated request reaches the
+  engine only once admitted, and its response starts only once the gate has answered (a refused
+  request's response is replaced by the refusal). This hides most of the round trip, the bulk
+  of the middleware's cost. Where the completion and chat handlers do not generate through that
+  client, the middleware admits first and calls the app after;
 - a newer request of the same session arrives while this one waits: this one is answered 409
   (vLLM's error shape, ``type`` ``"Conflict"``);
 - the client disconnects while waiting: its attempt is cancelled in the engine;
@@ -27,6 +34,7 @@ renewed by a heartbeat, so if the process dies the engine frees them after ``lea
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import logging
@@ -54,6 +62,7 @@ class SessionGateMiddleware:
         self._tickets = itertools.count()
         self._heartbeat: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
+        self._client_header = (b"x-session-gate-client", self.client_id.encode())
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GATED_PATHS:
@@ -80,46 +89,69 @@ class SessionGateMiddleware:
             return await self.app(scope, replay, send)
         self._beat(routes)
         ticket = f"{self.client_id}:{next(self._tickets)}"
-        try:
-            answer = await long_poll_admit(
+        admission = _Admission(
+            long_poll_admit(
                 routes, receive, session_id, packed, max_tokens, True, self.client_id, ticket
-            )
-        except ProbeError as err:
-            if err.status == 400:
-                return await err.response()(scope, replay, send)
-            self._warn_once(str(err.status), f"engine gate unavailable, not gating: {err.message}")
-            return await self.app(scope, replay, send)
-        if answer is None:  # disconnected while waiting; the attempt is cancelled
-            return
-        status = answer.get("status")
-        if status != "admitted":
-            code = 409 if status == "preempted" else 503
-            message = (
-                f"session {session_id!r}: this request was preempted by a newer request of the "
-                "same session"
-                if status == "preempted"
-                else f"session {session_id!r}: the engine gate ended this request's wait ({status})"
-            )
-            return await ProbeError(code, message).response()(scope, replay, send)
-        lease = answer["lease"]
-        extra = [
-            (b"x-session-gate-reason", str(answer["reason"]).encode()),
-            (b"x-session-gate-wait-ms", f"{answer['wait_sec'] * 1000:.1f}".encode()),
-        ]
-
-        async def send_with_headers(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
+            ),
+            session_id,
+        )
+        # The admit's round trip to the engine core (most of this middleware's cost) overlaps
+        # vLLM's own request handling, which is held at engine_client.generate until the gate
+        # admits (see _hook). Without that hook, the admission comes first, as a whole.
+        if not self._hook(routes):
+            answer = await admission.answer()
+            refusal = admission.refusal(answer)
+            if refusal is not None:
+                return await refusal.response()(scope, replay, send)
+            if answer is None and admission.error is None:  # the client left while it waited
+                return
+        token = _ADMISSION.set(admission)
         try:
-            await self.app(scope, replay, send_with_headers)
+            await self.app(scope, replay, admission.wrap(send, self._client_header))
         finally:
-            # Its own task: a cancelled handler (client gone) must still release.
-            release = asyncio.ensure_future(
-                routes.call("session_gate_release", lease, self.client_id)
-            )
-            release.add_done_callback(_log_failure)
+            _ADMISSION.reset(token)
+            if admission.task.done():
+                lease = admission.lease()
+                if lease is not None:
+                    # Its own task: a cancelled handler (client gone) must still release.
+                    release = asyncio.ensure_future(
+                        routes.call("session_gate_release", lease, self.client_id)
+                    )
+                    release.add_done_callback(_log_failure)
+            else:
+                # The app ended without the answer (its client left): withdraw the attempt.
+                admission.task.cancel()
+            if admission.error is not None and admission.error.status != 400:
+                self._warn_once(
+                    str(admission.error.status),
+                    f"engine gate unavailable, not gating: {admission.error.message}",
+                )
+
+    def _hook(self, routes: Any) -> bool:
+        """Holds this server's ``engine_client.generate`` until the request's admission (if it
+        has one) lets it go. False when the completion and chat handlers do not generate
+        through that client: then the middleware admits before the app runs."""
+        client = routes.engine_client
+        if getattr(client, _HOOKED, False):
+            return True
+        original = getattr(client, "generate", None)
+        if original is None:
+            return False
+        for name in ("openai_serving_completion", "openai_serving_chat"):
+            serving = getattr(routes.state, name, None)
+            if serving is not None and getattr(serving, "engine_client", None) is not client:
+                return False
+
+        async def generate(*args: Any, **kwargs: Any) -> Any:
+            admission = _ADMISSION.get()
+            if admission is not None:
+                await admission.go_ahead()
+            async for output in original(*args, **kwargs):
+                yield output
+
+        client.generate = generate
+        setattr(client, _HOOKED, True)
+        return True
 
     async def _size(self, routes: Any, scope: dict, body: bytes) -> tuple[bytes, int]:
         """The prompt's packed ids and the turn's ``max_tokens``."""
@@ -172,6 +204,107 @@ class SessionGateMiddleware:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning("session_gate middleware: %s", message)
+
+
+#: The admission of the request this task serves (read by the hooked ``generate``).
+_ADMISSION: contextvars.ContextVar[_Admission | None] = contextvars.ContextVar(
+    "session_gate_admission", default=None
+)
+_HOOKED = "_session_gate_generate_hooked"
+
+
+class NotAdmitted(ValueError):
+    """Stops vLLM's handler of a request the gate did not admit; the middleware answers in its
+    place (a ``ValueError``, which vLLM's handlers answer quietly, without a traceback)."""
+
+
+class _Admission:
+    """One request's admit call, answered while vLLM already handles the request."""
+
+    def __init__(self, admit: Any, session_id: str) -> None:
+        self.task: asyncio.Task[dict[str, Any] | None] = asyncio.ensure_future(admit)
+        self.session_id = session_id
+        #: The gate's failure (bad input: 400; else unavailable, and the request goes ungated).
+        self.error: ProbeError | None = None
+
+    async def answer(self) -> dict[str, Any] | None:
+        """The engine's answer; None if the client left or the gate is unavailable."""
+        try:
+            return await asyncio.shield(self.task)
+        except ProbeError as err:
+            self.error = err
+            return None
+
+    def lease(self) -> int | None:
+        if self.task.cancelled() or self.task.exception() is not None:
+            return None
+        answer = self.task.result()
+        return answer["lease"] if answer and answer.get("status") == "admitted" else None
+
+    async def go_ahead(self) -> None:
+        """Returns when the request may reach the engine; raises NotAdmitted otherwise."""
+        answer = await self.answer()
+        if answer is not None and answer.get("status") == "admitted":
+            return
+        if answer is None and self.error is not None and self.error.status != 400:
+            return  # the gate is unavailable: serving goes on, ungated
+        raise NotAdmitted(f"session {self.session_id!r} was not admitted by the engine gate")
+
+    def refusal(self, answer: dict[str, Any] | None) -> ProbeError | None:
+        """What to answer instead of the app's response, if anything."""
+        if answer is None:
+            return self.error if self.error is not None and self.error.status == 400 else None
+        status = answer.get("status")
+        if status == "admitted":
+            return None
+        if status == "preempted":
+            return ProbeError(
+                409,
+                f"session {self.session_id!r}: this request was preempted by a newer request "
+                "of the same session",
+            )
+        return ProbeError(
+            503,
+            f"session {self.session_id!r}: the engine gate ended this request's wait ({status})",
+        )
+
+    def wrap(self, send: Any, client_header: tuple[bytes, bytes]) -> Any:
+        """The app's ``send``: its response starts once the gate has answered, with the gate's
+        headers; a refused request gets the refusal instead, a departed client nothing."""
+        verdict: str | None = None  # "send", "drop"
+
+        async def gated_send(message: dict) -> None:
+            nonlocal verdict
+            if verdict is None:
+                answer = await self.answer()
+                refusal = self.refusal(answer)
+                if refusal is not None:
+                    verdict = "drop"
+                    response = refusal.response()
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": response.status_code,
+                            "headers": response.raw_headers,
+                        }
+                    )
+                    await send({"type": "http.response.body", "body": response.body})
+                    return
+                if answer is None and self.error is None:  # the client left while it waited
+                    verdict = "drop"
+                    return
+                verdict = "send"
+                if answer is not None and message["type"] == "http.response.start":
+                    extra = [
+                        (b"x-session-gate-reason", str(answer["reason"]).encode()),
+                        (b"x-session-gate-wait-ms", f"{answer['wait_sec'] * 1000:.1f}".encode()),
+                        client_header,
+                    ]
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+            if verdict == "send":
+                await send(message)
+
+        return gated_send
 
 
 class _Ungateable(Exception):
