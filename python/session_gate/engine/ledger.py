@@ -108,6 +108,19 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="engine_client.generate of `vllm serve` (AsyncLLM.generate), read through "
+        "app.state.openai_serving_completion / openai_serving_chat .engine_client",
+        how="wrapped once per API-server process by the gating middleware: a request that "
+        "carries an admission waits for the gate's answer before the original generate runs "
+        "(refused: NotAdmitted, the middleware answers instead); every other request passes "
+        "straight through; not wrapped (admit first) when the handlers use another client",
+        why="the admit's round trip to the engine core overlaps vLLM's parsing and rendering "
+        "of the request instead of preceding it, and the request reaches the engine only once "
+        "admitted",
+        removable_when="vLLM offers a middleware hook between request rendering and the engine",
+        checks=("vllm.v1.engine.async_llm:AsyncLLM.generate",),
+    ),
+    Patch(
         symbol="EngineCore.session_gate_admit / _release / _cancel / _finish / _renew / _stats",
         how="added as new attributes, like the probes; admit may return a "
         "concurrent.futures.Future, which EngineCoreProc._invoke_utility_method answers later",
