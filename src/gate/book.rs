@@ -13,8 +13,9 @@
 //! [`BookProbes`] (read in-process, on the engine thread), and delivers the answers of
 //! attempts that end later ([`EngineBook::take_resolved`]). Every decision is the core's.
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
-use super::core::GateCore;
+use super::core::{GateCore, IdMap};
 use super::metrics::GateStats;
 use super::types::{Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, UsageReport};
 use crate::error::{Error, Result};
@@ -93,20 +94,25 @@ struct Pending<T> {
     payload: T,
     /// Set while parked in a `Wait`: its deadline and its place in the waiting order.
     waiting: Option<(f64, u64)>,
-    /// Whether its client's set of pending attempts lists it (from its first `Wait` on).
-    listed: bool,
 }
 
+// A pending attempt is one that parked: only those enter `attempts`, and each is listed in
+// its client's set of pending attempts from then on.
+
+/// A lease's holder. Its session is the core's (`GateCore::lease_session`); both ids are
+/// shared, not copied: an admit answered in its call allocates only its ticket.
 struct Held {
-    client: String,
-    session_id: String,
-    ticket: String,
+    client: Arc<str>,
+    ticket: Arc<str>,
 }
 
 struct Client {
+    /// The same allocation as its key in `clients` (a lease's holder shares it too).
+    id: Arc<str>,
     last_seen: f64,
     attempts: HashSet<String>,
-    leases: HashSet<u64>,
+    /// Leases it holds (which ones: `held`, scanned only when it expires).
+    leases: usize,
 }
 
 /// The core plus who holds what. `T` is the host's per-attempt payload.
@@ -117,9 +123,10 @@ pub struct EngineBook<T> {
     /// Parked attempts in the order they parked (the order Python's dict kept).
     waiting: BTreeMap<u64, String>,
     next_wait: u64,
-    held: HashMap<u64, Held>,
-    ticket_lease: HashMap<String, u64>,
-    clients: HashMap<String, Client>,
+    held: IdMap<Held>,
+    /// Every ticket admitted and not released: a cancel racing its grant releases the lease.
+    ticket_lease: HashMap<Arc<str>, u64>,
+    clients: HashMap<Arc<str>, Client>,
     epoch: u64,
     resolved: Vec<Resolved<T>>,
     /// The earliest deadline the host's timer holds, as far as this book asked for it.
@@ -143,7 +150,7 @@ impl<T> EngineBook<T> {
             attempts: HashMap::new(),
             waiting: BTreeMap::new(),
             next_wait: 0,
-            held: HashMap::new(),
+            held: IdMap::default(),
             ticket_lease: HashMap::new(),
             clients: HashMap::new(),
             epoch,
@@ -175,24 +182,12 @@ impl<T> EngineBook<T> {
                 "ticket {ticket:?} is already in use; every admit needs a new one"
             )));
         }
-        // The client's set of pending attempts learns this one only if it parks (`drive`):
-        // most admits end in their own call, and nothing outside sees them before that.
         self.seen(client_id, now);
         let attempt = self
             .core
             .begin(session_id, prompt_tokens, max_tokens, retain_session, now);
-        self.attempts.insert(
-            ticket.to_string(),
-            Pending {
-                client: client_id.to_string(),
-                session_id: session_id.to_string(),
-                attempt,
-                payload,
-                waiting: None,
-                listed: false,
-            },
-        );
-        let mut answer = self.drive(ticket, now, probes).map(|(_, a)| a);
+        let mut answer =
+            self.drive_new(ticket, client_id, session_id, attempt, payload, now, probes);
         self.settle(now, probes);
         if answer.is_none() {
             // Woken and ended by the settling of this same call: answer it now.
@@ -264,10 +259,9 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> (usize, usize) {
-        let held = {
-            let c = self.seen(client_id, now);
-            (c.leases.len(), c.attempts.len())
-        };
+        self.seen(client_id, now);
+        let c = &self.clients[client_id];
+        let held = (c.leases, c.attempts.len());
         self.settle(now, probes);
         held
     }
@@ -385,23 +379,109 @@ impl<T> EngineBook<T> {
         }
     }
 
-    fn seen(&mut self, client_id: &str, now: f64) -> &mut Client {
-        if !self.clients.contains_key(client_id) {
-            // Its silence is checked one TTL from now (a known client's deadline only moves
-            // later while it calls, so the armed one is early enough).
-            self.arm(now + self.lease_ttl_sec);
-            self.clients.insert(
-                client_id.to_string(),
-                Client {
-                    last_seen: now,
-                    attempts: HashSet::new(),
-                    leases: HashSet::new(),
-                },
-            );
+    /// A call from `client_id` at `now` (one lookup for a known client).
+    fn seen(&mut self, client_id: &str, now: f64) {
+        if let Some(c) = self.clients.get_mut(client_id) {
+            c.last_seen = now;
+            return;
         }
-        let client = self.clients.get_mut(client_id).expect("inserted above");
-        client.last_seen = now;
-        client
+        // Its silence is checked one TTL from now (a known client's deadline only moves
+        // later while it calls, so the armed one is early enough).
+        self.arm(now + self.lease_ttl_sec);
+        let id: Arc<str> = client_id.into();
+        self.clients.insert(
+            id.clone(),
+            Client {
+                id,
+                last_seen: now,
+                attempts: HashSet::new(),
+                leases: 0,
+            },
+        );
+    }
+
+    /// Drives a new attempt as far as it goes in its own call. Until it parks nothing but
+    /// this call refers to it, so it enters the pending table (and its client's set) only
+    /// then: an admit answered in its call copies no id but its ticket's.
+    #[allow(clippy::too_many_arguments)]
+    fn drive_new(
+        &mut self,
+        ticket: &str,
+        client_id: &str,
+        session_id: &str,
+        attempt: AttemptId,
+        payload: T,
+        now: f64,
+        probes: &mut impl BookProbes<T>,
+    ) -> Option<Answer> {
+        loop {
+            let Ok(action) = self.core.poll(attempt, now) else {
+                // Unknown to the core (cannot happen: it began above): it ends here.
+                return Some(Answer::Cancelled);
+            };
+            match action {
+                Action::ProbeUsage | Action::ProbePrefix => {
+                    probe(
+                        &mut self.core,
+                        attempt,
+                        action,
+                        session_id,
+                        &payload,
+                        now,
+                        probes,
+                    );
+                }
+                Action::Wait { until } => {
+                    let order = self.park(ticket, until);
+                    self.attempts.insert(
+                        ticket.to_string(),
+                        Pending {
+                            client: client_id.to_string(),
+                            session_id: session_id.to_string(),
+                            attempt,
+                            payload,
+                            waiting: Some((until, order)),
+                        },
+                    );
+                    if let Some(c) = self.clients.get_mut(client_id) {
+                        c.attempts.insert(ticket.to_string());
+                    }
+                    return None;
+                }
+                Action::Admit(admission) => {
+                    self.hold(admission.lease.0, ticket.into(), client_id);
+                    return Some(Answer::Admitted(admission));
+                }
+                Action::Preempted => {
+                    let num_preempted = self.core.num_preempted(session_id);
+                    return Some(Answer::Preempted { num_preempted });
+                }
+            }
+        }
+    }
+
+    /// Puts a waiting attempt in the waiting order and arms the timer for its deadline.
+    fn park(&mut self, ticket: &str, until: f64) -> u64 {
+        let order = self.next_wait;
+        self.next_wait += 1;
+        self.waiting.insert(order, ticket.to_string());
+        self.arm(until);
+        order
+    }
+
+    /// Records a granted lease's holder.
+    fn hold(&mut self, lease: u64, ticket: Arc<str>, client_id: &str) {
+        let client = match self.clients.get_mut(client_id) {
+            Some(c) => {
+                c.leases += 1;
+                c.id.clone()
+            }
+            // Cannot happen: a new attempt's client was seen in its call, and a parked one is
+            // cancelled when its client expires.
+            None => client_id.into(),
+        };
+        self.ticket_lease.insert(ticket.clone(), lease);
+        self.held.insert(lease, Held { client, ticket });
     }
 
     fn unpark(&mut self, ticket: &str) {
@@ -427,55 +507,33 @@ impl<T> EngineBook<T> {
                 Err(_) => return Some(self.end(ticket, Answer::Cancelled)),
             };
             match action {
-                Action::ProbeUsage => {
-                    let report = probes.usage();
-                    // The core cannot refuse an answer it asked for; a stale one is ignored.
-                    let _ = self.core.on_usage(attempt, report, now);
-                }
-                Action::ProbePrefix => {
+                Action::ProbeUsage | Action::ProbePrefix => {
                     let p = self
                         .attempts
                         .get(ticket)
                         .expect("driven attempt is pending");
-                    let (report, secs) = probes.prefix(&p.session_id, &p.payload);
-                    self.core
-                        .record_probe(ProbeKind::Prefix, secs, report.is_ok());
-                    let _ = self.core.on_prefix(attempt, report, now);
+                    probe(
+                        &mut self.core,
+                        attempt,
+                        action,
+                        &p.session_id,
+                        &p.payload,
+                        now,
+                        probes,
+                    );
                 }
                 Action::Wait { until } => {
-                    let order = self.next_wait;
-                    self.next_wait += 1;
+                    let order = self.park(ticket, until);
                     let p = self
                         .attempts
                         .get_mut(ticket)
                         .expect("driven attempt is pending");
                     p.waiting = Some((until, order));
-                    if !p.listed {
-                        p.listed = true;
-                        if let Some(c) = self.clients.get_mut(&p.client) {
-                            c.attempts.insert(ticket.to_string());
-                        }
-                    }
-                    self.waiting.insert(order, ticket.to_string());
-                    self.arm(until);
                     return None;
                 }
                 Action::Admit(admission) => {
-                    // The attempt's strings move into the lease's holder (no copies).
-                    let lease = admission.lease.0;
                     let p = self.forget(ticket);
-                    if let Some(c) = self.clients.get_mut(&p.client) {
-                        c.leases.insert(lease);
-                    }
-                    self.ticket_lease.insert(ticket.to_string(), lease);
-                    self.held.insert(
-                        lease,
-                        Held {
-                            client: p.client,
-                            session_id: p.session_id,
-                            ticket: ticket.to_string(),
-                        },
-                    );
+                    self.hold(admission.lease.0, ticket.into(), &p.client);
                     return Some((p.payload, Answer::Admitted(admission)));
                 }
                 // The core already counted it and forgot the attempt.
@@ -518,9 +576,7 @@ impl<T> EngineBook<T> {
         if let Some((_, order)) = p.waiting {
             self.waiting.remove(&order);
         }
-        if p.listed
-            && let Some(c) = self.clients.get_mut(&p.client)
-        {
+        if let Some(c) = self.clients.get_mut(p.client.as_str()) {
             c.attempts.remove(ticket);
         }
         p
@@ -549,7 +605,7 @@ impl<T> EngineBook<T> {
         if let Some(h) = self.held.remove(&lease) {
             self.ticket_lease.remove(&h.ticket);
             if let Some(c) = self.clients.get_mut(&h.client) {
-                c.leases.remove(&lease);
+                c.leases = c.leases.saturating_sub(1);
             }
         }
         if dropped {
@@ -582,7 +638,7 @@ impl<T> EngineBook<T> {
 
     fn expire_clients(&mut self, now: f64) -> Vec<ExpiredClient> {
         let ttl = self.lease_ttl_sec;
-        let dead: Vec<String> = self
+        let dead: Vec<Arc<str>> = self
             .clients
             .iter()
             .filter(|(_, c)| now - c.last_seen >= ttl)
@@ -597,17 +653,26 @@ impl<T> EngineBook<T> {
                     self.counters.attempts_expired += 1;
                 }
             }
+            let leases: Vec<u64> = self
+                .held
+                .iter()
+                .filter(|(_, h)| h.client == client_id)
+                .map(|(&lease, _)| lease)
+                .collect();
             let mut sessions = HashSet::new();
-            for &lease in &client.leases {
-                if let Some(h) = self.held.get(&lease) {
-                    sessions.insert(h.session_id.clone());
+            for &lease in &leases {
+                if let Some(s) = self.core.lease_session(LeaseId(lease)) {
+                    sessions.insert(s.to_string());
                 }
                 if self.release_lease(lease, now, true) {
                     self.counters.leases_expired += 1;
                 }
             }
             for session_id in sessions {
-                let live = self.held.values().any(|h| h.session_id == session_id)
+                let live = self
+                    .held
+                    .keys()
+                    .any(|&l| self.core.lease_session(LeaseId(l)) == Some(session_id.as_str()))
                     || self.attempts.values().any(|p| p.session_id == session_id);
                 if !live {
                     // Its idle grace window would hold the cache for a client that is gone.
@@ -615,13 +680,35 @@ impl<T> EngineBook<T> {
                 }
             }
             expired.push(ExpiredClient {
-                client_id,
+                client_id: client_id.to_string(),
                 silent_sec: now - client.last_seen,
-                leases: client.leases.len(),
+                leases: leases.len(),
                 attempts: client.attempts.len(),
             });
         }
         expired
+    }
+}
+
+/// Answers the core's probe request `action` for `attempt` (usage or prefix).
+#[allow(clippy::too_many_arguments)]
+fn probe<T>(
+    core: &mut GateCore,
+    attempt: AttemptId,
+    action: Action,
+    session_id: &str,
+    payload: &T,
+    now: f64,
+    probes: &mut impl BookProbes<T>,
+) {
+    if let Action::ProbeUsage = action {
+        let report = probes.usage();
+        // The core cannot refuse an answer it asked for; a stale one is ignored.
+        let _ = core.on_usage(attempt, report, now);
+    } else {
+        let (report, secs) = probes.prefix(session_id, payload);
+        core.record_probe(ProbeKind::Prefix, secs, report.is_ok());
+        let _ = core.on_prefix(attempt, report, now);
     }
 }
 

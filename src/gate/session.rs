@@ -1,6 +1,7 @@
 //! The per-session table: a slab of compact session records addressed by a small slot number,
 //! so the queue, the lease table and the reservation ledger never copy session ids around.
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// A session's ownership of part of the cache (DESIGN.md, "Pressure"; seed, "Ownership windows").
 #[derive(Debug, Clone)]
@@ -38,7 +39,8 @@ impl Reservation {
 /// What the core remembers about one session. Dropped as soon as nothing refers to it.
 #[derive(Debug)]
 pub(crate) struct Session {
-    pub(crate) id: Box<str>,
+    /// Shared with the id index's key: one allocation per session.
+    pub(crate) id: Arc<str>,
     pub(crate) reservation: Option<Reservation>,
     /// The newest attempt not yet admitted (older ones are preempted on `begin`).
     pub(crate) pending: Option<u64>,
@@ -60,7 +62,7 @@ impl Session {
 pub(crate) struct Sessions {
     slots: Vec<Option<Session>>,
     free: Vec<u32>,
-    by_id: HashMap<Box<str>, u32>,
+    by_id: HashMap<Arc<str>, u32>,
 }
 
 impl Sessions {
@@ -72,8 +74,9 @@ impl Sessions {
         if let Some(slot) = self.slot_of(id) {
             return slot;
         }
+        let id: Arc<str> = id.into();
         let session = Session {
-            id: id.into(),
+            id: id.clone(),
             reservation: None,
             pending: None,
             attempts: 0,
@@ -90,7 +93,7 @@ impl Sessions {
                 u32::try_from(self.slots.len() - 1).expect("more than 4 billion sessions")
             }
         };
-        self.by_id.insert(id.into(), slot);
+        self.by_id.insert(id, slot);
         slot
     }
 
@@ -133,17 +136,17 @@ impl Sessions {
         self.slots.iter_mut().flatten()
     }
 
-    /// Heap bytes, approximately: slab, free list, index buckets and both copies of each id
-    /// (allocations rounded up to 16 bytes, as glibc's malloc does).
+    /// Heap bytes, approximately: slab, free list, index buckets and each id once, with its
+    /// two reference counts (allocations rounded up to 16 bytes, as glibc's malloc does).
     pub(crate) fn approx_bytes(&self) -> usize {
         let ids: usize = self
             .by_id
             .keys()
-            .map(|k| 2 * k.len().div_ceil(16) * 16)
+            .map(|k| (k.len() + 16).div_ceil(16) * 16)
             .sum();
         self.slots.capacity() * size_of::<Option<Session>>()
             + self.free.capacity() * size_of::<u32>()
-            + self.by_id.capacity() * (size_of::<(Box<str>, u32)>() + 1)
+            + self.by_id.capacity() * (size_of::<(Arc<str>, u32)>() + 1)
             + ids
     }
 }

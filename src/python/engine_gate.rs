@@ -295,6 +295,8 @@ fn reason_strs(py: Python<'_>) -> PyResult<ReasonStrs> {
     for key in ADMITTED_KEYS {
         admitted.set_item(PyString::intern(py, key), py.None())?;
     }
+    // The one value every admission's answer shares.
+    admitted.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
     Ok(ReasonStrs {
         reasons: Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind()),
         admitted: admitted.unbind(),
@@ -314,9 +316,9 @@ fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
         .iter()
         .position(|r| *r == a.reason)
         .expect("Reason::ALL lists every reason");
-    // Every key is there already: each item below replaces a value, nothing grows.
+    // Every key is there already (and `status`'s value): each item below replaces a value,
+    // nothing grows.
     let d = reasons.admitted.bind(py).copy()?;
-    d.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
     d.set_item(intern!(py, "lease"), a.lease.0)?;
     d.set_item(intern!(py, "ticket"), ticket)?;
     d.set_item(intern!(py, "session_id"), session_id)?;

@@ -80,10 +80,13 @@
 //! and the next time an idle reservation may yield.
 //! A usage reading taken before the epoch last moved is not trusted for a decision to wait: the
 //! attempt starts a fresh cycle instead (usage is cached for one cycle, never across a release).
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 mod audit;
 mod decide;
+mod idmap;
+
+pub(crate) use idmap::IdMap;
 
 use super::config::{GateConfig, Pressure};
 use super::ledger::Ledger;
@@ -172,10 +175,10 @@ pub struct GateCore {
     cfg: GateConfig,
     sessions: Sessions,
     ledger: Ledger,
-    attempts: HashMap<u64, Attempt>,
+    attempts: IdMap<Attempt>,
     /// order key → attempt, for attempts told to wait.
     queue: BTreeMap<u64, u64>,
-    leases: HashMap<u64, LeaseRec>,
+    leases: IdMap<LeaseRec>,
     geometry: Option<Geometry>,
     next_attempt: u64,
     next_lease: u64,
@@ -192,9 +195,9 @@ impl GateCore {
             cfg: config,
             sessions: Sessions::default(),
             ledger: Ledger::default(),
-            attempts: HashMap::new(),
+            attempts: IdMap::default(),
             queue: BTreeMap::new(),
-            leases: HashMap::new(),
+            leases: IdMap::default(),
             geometry: None,
             next_attempt: 1,
             next_lease: 1,
@@ -470,6 +473,12 @@ impl GateCore {
         self.sessions
             .slot_of(session_id)
             .map_or(0, |slot| self.sessions.get(slot).num_preempted)
+    }
+
+    /// The session a lease (issued and not released) was admitted for.
+    pub fn lease_session(&self, lease: LeaseId) -> Option<&str> {
+        let rec = self.leases.get(&lease.0)?;
+        Some(&self.sessions.get(rec.slot).id)
     }
 
     /// Whether the session currently holds a reservation (in flight or idle).
