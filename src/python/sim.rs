@@ -102,7 +102,7 @@ fn simulate<'py>(
 
 /// Runs one mode over consecutive RL steps on the twin: `steps` is a list of session lists
 /// (one per step, as `simulate`'s `sessions`), each step on a fresh replica, all through ONE
-/// mode object, so the gate core (and its size prior) lives across steps; the other modes
+/// mode object, so the gate core (what it learned, its counters) lives across steps; the other modes
 /// start afresh each step. Returns one `simulate`-style dict per step (the gate's counters
 /// cumulative). Keyword arguments as `simulate`'s.
 #[pyfunction]

@@ -143,7 +143,7 @@ pub trait Mode {
     }
 
     /// Gets ready for the next RL step, a new run over `sessions` sessions on a fresh replica,
-    /// keeping what the mode learned (the gate core, e.g. its size prior). Returns false for a
+    /// keeping what the mode learned (the gate core: its sessions' turn times, its counters). Returns false for a
     /// mode with nothing worth keeping: the driver then builds a fresh one. Default: false.
     fn next_step(&mut self, _sessions: usize) -> bool {
         false
