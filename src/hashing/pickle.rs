@@ -82,21 +82,6 @@ pub(crate) fn encode_block(buf: &mut Vec<u8>, parent: &[u8], tokens: &[u32]) -> 
     assert!(parent.len() <= 0xff, "a parent digest is at most 255 bytes");
     // Upper bound of the frame bodies, then room for one header per started 64 KiB.
     let body_max = 2 + parent.len() + 1 + MAX_INT_LEN * tokens.len() + 2 + 3 + 1;
-    // Every block vLLM hashes on our path: a real digest as parent, a full block of at least
-    // four tokens, one frame. Its layout is fixed up to the ints, so it is written directly.
-    if body_max < FRAME_SIZE_TARGET && tokens.len() >= 4 {
-        match parent.len() {
-            32 => return encode_one_frame::<32>(buf, parent.try_into().unwrap(), tokens),
-            16 => return encode_one_frame::<16>(buf, parent.try_into().unwrap(), tokens),
-            _ => {}
-        }
-    }
-    encode_general(buf, parent, tokens, body_max)
-}
-
-/// [`encode_block`] for any shape (`body_max` as computed there), frames split where CPython
-/// splits them.
-fn encode_general(buf: &mut Vec<u8>, parent: &[u8], tokens: &[u32], body_max: usize) -> usize {
     let frames_max = body_max / FRAME_SIZE_TARGET + 1;
     let total_max = 2 + frames_max * FRAME_HEADER + body_max + STORE_SLACK;
     // Writing through a pre-sized slice keeps the per-token path free of capacity checks.
@@ -144,45 +129,6 @@ fn encode_general(buf: &mut Vec<u8>, parent: &[u8], tokens: &[u32], body_max: us
     w.pos
 }
 
-/// [`encode_block`] for one frame (body under 64 KiB) and a `MARK`ed tuple (four or more
-/// tokens), with a `P`-byte parent: the fixed-offset layout
-/// `PROTO 5 FRAME <len> SHORT_BINBYTES P <parent> MEMOIZE MARK <ints> TUPLE MEMOIZE NONE TUPLE3
-/// MEMOIZE STOP`, written without the general writer's frame bookkeeping; the frame length is
-/// filled in last. Byte-identical to the general path (`one_frame_layout_equals_the_writer`).
-#[inline(always)]
-fn encode_one_frame<const P: usize>(buf: &mut Vec<u8>, parent: &[u8; P], tokens: &[u32]) -> usize {
-    let ints_at = 2 + FRAME_HEADER + 2 + P + 2;
-    let total_max = ints_at + MAX_INT_LEN * tokens.len() + 6 + STORE_SLACK;
-    if buf.len() < total_max {
-        buf.resize(total_max, 0);
-    }
-    let buf = &mut buf[..total_max];
-    buf[..3].copy_from_slice(&[PROTO, PROTOCOL, FRAME]);
-    buf[2 + FRAME_HEADER..2 + FRAME_HEADER + 2].copy_from_slice(&[SHORT_BINBYTES, P as u8]);
-    buf[2 + FRAME_HEADER + 2..ints_at - 2].copy_from_slice(parent);
-    buf[ints_at - 2..ints_at].copy_from_slice(&[MEMOIZE, MARK]);
-    let mut pos = ints_at;
-    for &token in tokens {
-        pos += put_int(buf, pos, token);
-    }
-    buf[pos..pos + 6].copy_from_slice(&[TUPLE, MEMOIZE, NONE, TUPLE3, MEMOIZE, STOP]);
-    pos += 6;
-    let body_len = (pos - 2 - FRAME_HEADER) as u64;
-    buf[3..2 + FRAME_HEADER].copy_from_slice(&body_len.to_le_bytes());
-    pos
-}
-
-/// One int at `buf[pos..]`, with the opcode CPython's `save_long` picks; returns its length.
-/// Writes 8 bytes (the caller keeps [`STORE_SLACK`] past the end).
-#[inline(always)]
-fn put_int(buf: &mut [u8], pos: usize, v: u32) -> usize {
-    let encoding = INT_ENCODING[v.leading_zeros() as usize];
-    // Opcode and little-endian argument packed into one word, stored in one go.
-    let word = u64::from(encoding & 0xffff) | u64::from(v) << ((encoding >> 16) & 0xff);
-    buf[pos..pos + 8].copy_from_slice(&word.to_le_bytes());
-    (encoding >> 24) as usize
-}
-
 /// A cursor over the pre-sized output that tracks the open frame.
 struct Writer<'a> {
     buf: &'a mut [u8],
@@ -216,7 +162,11 @@ impl Writer<'_> {
     /// One int, with the opcode CPython's `save_long` picks.
     #[inline(always)]
     fn put_int(&mut self, v: u32) {
-        self.pos += put_int(self.buf, self.pos, v);
+        let encoding = INT_ENCODING[v.leading_zeros() as usize];
+        // Opcode and little-endian argument packed into one word, stored in one go.
+        let word = u64::from(encoding & 0xffff) | u64::from(v) << ((encoding >> 16) & 0xff);
+        self.buf[self.pos..self.pos + 8].copy_from_slice(&word.to_le_bytes());
+        self.pos += (encoding >> 24) as usize;
     }
 
     fn start_frame(&mut self) {
@@ -318,66 +268,5 @@ mod tests {
         assert_eq!(out.len(), 65_560);
         assert_eq!(&out[2..11], &[FRAME, 0, 0, 1, 0, 0, 0, 0, 0]);
         assert_eq!(hex(&out[out.len() - 13..]), "9504000000000000004e87942e");
-    }
-}
-
-/// The fixed-layout path against the general writer, on every token width and tuple length.
-#[cfg(test)]
-mod one_frame_tests {
-    use super::*;
-
-    fn general(parent: &[u8], tokens: &[u32]) -> Vec<u8> {
-        let body_max = 2 + parent.len() + 1 + MAX_INT_LEN * tokens.len() + 2 + 3 + 1;
-        let mut out = Vec::new();
-        let len = encode_general(&mut out, parent, tokens, body_max);
-        out.truncate(len);
-        out
-    }
-
-    #[test]
-    fn one_frame_layout_equals_the_writer() {
-        // Widths 1, 2, 4 and 5 bytes mixed, including every encoding edge.
-        let edges = [
-            0,
-            255,
-            256,
-            65535,
-            65536,
-            0x7fff_ffff,
-            0x8000_0000,
-            u32::MAX,
-        ];
-        let mut state = 0x9e37_79b9u32;
-        let mut tokens: Vec<u32> = Vec::new();
-        for i in 0..9_400u32 {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            tokens.push(if i % 3 == 0 {
-                edges[(state % 8) as usize]
-            } else {
-                state >> (state % 32)
-            });
-        }
-        let mut buf = vec![0xee; 7];
-        for parent in [&[0x42u8; 32][..], &[0x17; 16][..]] {
-            for n in (4..80).chain([255, 256, 1024, 9_000, 9_300, 9_350, 9_400]) {
-                // One buffer reused across calls, as the hasher does: no stale byte may leak.
-                let len = encode_block(&mut buf, parent, &tokens[..n]);
-                assert_eq!(&buf[..len], general(parent, &tokens[..n]), "{n} tokens");
-            }
-        }
-    }
-
-    #[test]
-    fn the_split_boundary_takes_the_general_path() {
-        // 9,359 five-byte ints put the body just over 64 KiB: the frame must split there.
-        let tokens = vec![u32::MAX; 9_359];
-        let mut buf = Vec::new();
-        let len = encode_block(&mut buf, &[1; 32], &tokens);
-        assert_eq!(&buf[..len], general(&[1; 32], &tokens));
-        // The first frame ends before the output does: a second frame follows.
-        let first = u64::from_le_bytes(buf[3..11].try_into().unwrap()) as usize;
-        assert!(2 + FRAME_HEADER + first < len, "{first} of {len}");
     }
 }
