@@ -185,18 +185,39 @@ class EngineState:
     # -- prefix -----------------------------------------------------------------------------
 
     def probe(self, session_id: Any, token_ids: Any) -> dict[str, Any]:
-        """The prefix probe's answer, as the engine gate reads it in-process:
-        ``probe_answer``'s (so the answer's keys are written in one place)."""
-        return self.probe_answer(session_id, token_ids)
-
-    def _python_counts(self, token_ids: Any) -> tuple[int, int, int, int, int, int]:
-        """The native call's six counts, by vLLM's own functions (engines the native walk
-        cannot answer exactly)."""
-        tokens = self._validated_list(token_ids)
-        hit_tokens = self._python_hit_tokens(tokens)
-        prompt_tokens = len(tokens)
-        hashed = prompt_tokens // self.block_size
-        return hit_tokens // self.block_size, hit_tokens, prompt_tokens, hashed, 0, 0
+        """The prefix probe's answer, as the engine gate reads it in-process (no usage fields,
+        no timing: the gate reads usage once per decision); the one place its keys are
+        written. One native call and one dict: this runs in the engine loop on every probe."""
+        if session_id is not None and not isinstance(session_id, str):
+            raise TypeError(f"session_id must be a str or None, got {type(session_id).__name__}")
+        if self.path == "native":
+            hit_blocks, hit_tokens, prompt_tokens, hashed, reused, rechecked = self.native.probe(
+                self.block_pool.cached_block_hash_to_block._cache, session_id, token_ids
+            )
+        else:
+            tokens = self._validated_list(token_ids)
+            prompt_tokens = len(tokens)
+            if self.path == "unavailable":
+                return {
+                    "available": False,
+                    "reason": self.unavailable,
+                    "prompt_tokens": prompt_tokens,
+                    "path": self.path,
+                }
+            hit_tokens = self._python_hit_tokens(tokens)
+            hit_blocks = hit_tokens // self.block_size
+            hashed, reused, rechecked = prompt_tokens // self.block_size, 0, 0
+        return {
+            "blocks_hashed": hashed,
+            "blocks_reused": reused,
+            "blocks_rechecked": rechecked,
+            "available": True,
+            "path": self.path,
+            "hit_blocks": hit_blocks,
+            "hit_tokens": hit_tokens,
+            "prompt_tokens": prompt_tokens,
+            "hit_ratio": hit_tokens / prompt_tokens,
+        }
 
     def _validated_list(self, token_ids: Any) -> list[int]:
         # Same checks as the native path, so both paths refuse the same prompts.
@@ -260,39 +281,10 @@ class EngineState:
         return _timed(self.usage(count_cached_free), started)
 
     def probe_answer(self, session_id: Any, token_ids: Any) -> dict[str, Any]:
-        # The native call inline, one dict, no frame of ours around it: this runs in the
-        # engine loop on every probe.
+        # The usage fields are written into the probe's own dict (merging a second dict was a
+        # measurable part of a 15 us probe).
         started = time.perf_counter_ns()
-        if session_id is not None and not isinstance(session_id, str):
-            raise TypeError(f"session_id must be a str or None, got {type(session_id).__name__}")
-        if self.path == "native":
-            hit_blocks, hit_tokens, prompt_tokens, hashed, reused, rechecked = self.native.probe(
-                self.block_pool.cached_block_hash_to_block._cache, session_id, token_ids
-            )
-        elif self.path == "python":
-            hit_blocks, hit_tokens, prompt_tokens, hashed, reused, rechecked = self._python_counts(
-                token_ids
-            )
-        else:
-            unavailable = {
-                "available": False,
-                "reason": self.unavailable,
-                "prompt_tokens": len(self._validated_list(token_ids)),
-                "path": self.path,
-            }
-            return _timed(self._add_usage(unavailable), started)
-        answer = {
-            "blocks_hashed": hashed,
-            "blocks_reused": reused,
-            "blocks_rechecked": rechecked,
-            "available": True,
-            "path": self.path,
-            "hit_blocks": hit_blocks,
-            "hit_tokens": hit_tokens,
-            "prompt_tokens": prompt_tokens,
-            "hit_ratio": hit_tokens / prompt_tokens,
-        }
-        return _timed(self._add_usage(answer), started)
+        return _timed(self._add_usage(self.probe(session_id, token_ids)), started)
 
 
 def _hasher_takes_lookahead() -> bool:
