@@ -414,49 +414,34 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> Option<Answer> {
-        loop {
-            let Ok(action) = self.core.poll(attempt, now) else {
-                // Unknown to the core (cannot happen: it began above): it ends here.
-                return Some(Answer::Cancelled);
-            };
-            match action {
-                Action::ProbeUsage | Action::ProbePrefix => {
-                    probe(
-                        &mut self.core,
+        match settle(&mut self.core, attempt, session_id, &payload, now, probes) {
+            Settled::Waits(until) => {
+                let order = self.park(ticket, until);
+                self.attempts.insert(
+                    ticket.to_string(),
+                    Pending {
+                        client: client_id.to_string(),
+                        session_id: session_id.to_string(),
                         attempt,
-                        action,
-                        session_id,
-                        &payload,
-                        now,
-                        probes,
-                    );
+                        payload,
+                        waiting: Some((until, order)),
+                    },
+                );
+                if let Some(c) = self.clients.get_mut(client_id) {
+                    c.attempts.insert(ticket.to_string());
                 }
-                Action::Wait { until } => {
-                    let order = self.park(ticket, until);
-                    self.attempts.insert(
-                        ticket.to_string(),
-                        Pending {
-                            client: client_id.to_string(),
-                            session_id: session_id.to_string(),
-                            attempt,
-                            payload,
-                            waiting: Some((until, order)),
-                        },
-                    );
-                    if let Some(c) = self.clients.get_mut(client_id) {
-                        c.attempts.insert(ticket.to_string());
-                    }
-                    return None;
-                }
-                Action::Admit(admission) => {
-                    self.hold(admission.lease.0, ticket.into(), client_id);
-                    return Some(Answer::Admitted(admission));
-                }
-                Action::Preempted => {
-                    let num_preempted = self.core.num_preempted(session_id);
-                    return Some(Answer::Preempted { num_preempted });
-                }
+                None
             }
+            Settled::Admitted(admission) => {
+                self.hold(admission.lease.0, ticket.into(), client_id);
+                Some(Answer::Admitted(admission))
+            }
+            Settled::Preempted => {
+                let num_preempted = self.core.num_preempted(session_id);
+                Some(Answer::Preempted { num_preempted })
+            }
+            // Unknown to the core (cannot happen: it began above): it ends here.
+            Settled::Unknown => Some(Answer::Cancelled),
         }
     }
 
@@ -499,50 +484,38 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> Option<(T, Answer)> {
-        let attempt = self.attempts.get(ticket)?.attempt;
-        loop {
-            let action = match self.core.poll(attempt, now) {
-                Ok(action) => action,
-                // Unknown to the core (cannot happen while the book holds it): end it.
-                Err(_) => return Some(self.end(ticket, Answer::Cancelled)),
-            };
-            match action {
-                Action::ProbeUsage | Action::ProbePrefix => {
-                    let p = self
-                        .attempts
-                        .get(ticket)
-                        .expect("driven attempt is pending");
-                    probe(
-                        &mut self.core,
-                        attempt,
-                        action,
-                        &p.session_id,
-                        &p.payload,
-                        now,
-                        probes,
-                    );
-                }
-                Action::Wait { until } => {
-                    let order = self.park(ticket, until);
-                    let p = self
-                        .attempts
-                        .get_mut(ticket)
-                        .expect("driven attempt is pending");
-                    p.waiting = Some((until, order));
-                    return None;
-                }
-                Action::Admit(admission) => {
-                    let p = self.forget(ticket);
-                    self.hold(admission.lease.0, ticket.into(), &p.client);
-                    return Some((p.payload, Answer::Admitted(admission)));
-                }
-                // The core already counted it and forgot the attempt.
-                Action::Preempted => {
-                    let session = &self.attempts[ticket].session_id;
-                    let num_preempted = self.core.num_preempted(session);
-                    return Some(self.end(ticket, Answer::Preempted { num_preempted }));
-                }
+        let p = self.attempts.get(ticket)?;
+        let settled = settle(
+            &mut self.core,
+            p.attempt,
+            &p.session_id,
+            &p.payload,
+            now,
+            probes,
+        );
+        match settled {
+            Settled::Waits(until) => {
+                let order = self.park(ticket, until);
+                let p = self
+                    .attempts
+                    .get_mut(ticket)
+                    .expect("driven attempt is pending");
+                p.waiting = Some((until, order));
+                None
             }
+            Settled::Admitted(admission) => {
+                let p = self.forget(ticket);
+                self.hold(admission.lease.0, ticket.into(), &p.client);
+                Some((p.payload, Answer::Admitted(admission)))
+            }
+            // The core already counted it and forgot the attempt.
+            Settled::Preempted => {
+                let session = &self.attempts[ticket].session_id;
+                let num_preempted = self.core.num_preempted(session);
+                Some(self.end(ticket, Answer::Preempted { num_preempted }))
+            }
+            // Unknown to the core (cannot happen while the book holds it): end it.
+            Settled::Unknown => Some(self.end(ticket, Answer::Cancelled)),
         }
     }
 
@@ -687,6 +660,38 @@ impl<T> EngineBook<T> {
             });
         }
         expired
+    }
+}
+
+/// Where one attempt's polling stopped: it waits, or it ended one of three ways.
+enum Settled {
+    Waits(f64),
+    Admitted(Admission),
+    Preempted,
+    /// The core does not know the attempt.
+    Unknown,
+}
+
+/// Polls `attempt`, answering the core's probe requests, until it waits or ends: the one
+/// poll loop behind both a new attempt's call and a parked attempt's wake-up.
+fn settle<T>(
+    core: &mut GateCore,
+    attempt: AttemptId,
+    session_id: &str,
+    payload: &T,
+    now: f64,
+    probes: &mut impl BookProbes<T>,
+) -> Settled {
+    loop {
+        match core.poll(attempt, now) {
+            Err(_) => return Settled::Unknown,
+            Ok(action @ (Action::ProbeUsage | Action::ProbePrefix)) => {
+                probe(core, attempt, action, session_id, payload, now, probes)
+            }
+            Ok(Action::Wait { until }) => return Settled::Waits(until),
+            Ok(Action::Admit(admission)) => return Settled::Admitted(admission),
+            Ok(Action::Preempted) => return Settled::Preempted,
+        }
     }
 }
 
