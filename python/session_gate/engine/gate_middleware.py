@@ -105,7 +105,7 @@ class SessionGateMiddleware:
                 routes, receive, session_id, packed, max_tokens, True, self.client_id, ticket
             ),
             session_id,
-            bindable and self.engine_binds and self._binds(routes),
+            bindable,
         )
         # The admit's round trip to the engine core (most of this middleware's cost) overlaps
         # vLLM's own request handling, which is held at engine_client.generate until the gate
@@ -163,7 +163,9 @@ class SessionGateMiddleware:
                     yield output
                 return
             await admission.go_ahead()
-            if not admission.bind(args, kwargs):
+            # Decided now, not when the request came: the heartbeat started with this server's
+            # first gated request has answered by the time the admit has.
+            if not (self.engine_binds and self._binds(routes) and admission.bind(args, kwargs)):
                 async for output in original(*args, **kwargs):
                     yield output
                 return
