@@ -307,3 +307,18 @@ async def test_a_request_without_a_bound_lease_releases_nothing(engine, gate):
     _, e1 = await engine_counters(gate)
     for key in ("leases_released_by_request", "bound_releases_unknown", "release_loop_calls"):
         assert e1[key] == e0[key], key
+
+
+def test_bind_puts_the_lease_in_a_new_extra_args_dict_of_one_engine_request():
+    from session_gate.engine.gate_binding import bind
+
+    theirs = {"other": 1}
+    params = SamplingParams(max_tokens=4, extra_args=theirs)
+    assert bind(params, 7)
+    assert params.extra_args == {"other": 1, LEASE_KEY: 7} and theirs == {"other": 1}
+    plain = SamplingParams(max_tokens=4)
+    assert bind(plain, 8) and plain.extra_args == {LEASE_KEY: 8}
+    # n > 1: vLLM fans the turn out into n engine requests, the first of which to end would
+    # release the lease while the others still run: not bound.
+    fanned = SamplingParams(max_tokens=4, n=2, temperature=1.0)
+    assert not bind(fanned, 9) and not fanned.extra_args
