@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 from conftest import environ
 from session_gate import AdmissionPreempted, EngineGate
+from session_gate.engine.gate_binding import LEASE_KEY
 from session_gate.engine.launch import make_async_llm
 from session_gate.probes import pack_token_ids
 from vllm import SamplingParams
@@ -217,3 +218,107 @@ async def test_a_reused_ticket_is_refused_and_the_engine_keeps_serving(engine, g
     assert await call("session_gate_release", first["lease"], "dup-client")
     await generate(engine, prompt(13, 20), 2)
     assert (await gate.stats())["engine_gate"]["tick_errors"] == 0
+
+
+# -- a lease bound to the vLLM request it admitted (gate_binding) ------------------------------
+
+
+def bound(lease_id: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        extra_args={LEASE_KEY: lease_id},
+    )
+
+
+async def engine_counters(gate) -> tuple[dict, dict]:
+    s = await gate.stats()
+    return s, s["engine_gate"]
+
+
+async def test_a_bound_lease_is_released_by_the_engine_when_its_request_ends(engine, gate):
+    """No release call: the request's end in the scheduler releases it; a later release of the
+    same lease (by its client) changes nothing and says so."""
+    release = engine.engine_core.call_utility_async
+    s0, e0 = await engine_counters(gate)
+    lease = await gate.acquire("bound-end", prompt(40, 100), 8)
+    assert (await gate.stats())["leases_active"] == 1
+    async for _ in engine.generate(
+        {"prompt_token_ids": prompt(40, 100)}, bound(lease.lease_id, 8), request_id="bound-1"
+    ):
+        pass
+    s1, e1 = await engine_counters(gate)
+    assert s1["leases_active"] == 0 and s1["leases_released"] == s0["leases_released"] + 1
+    assert e1["leases_released_by_request"] == e0["leases_released_by_request"] + 1
+    assert e1["release_loop_calls"] == e0["release_loop_calls"] + 1  # the engine's, no call
+    # Released again, by its client: the second release finds nothing, counts nothing.
+    assert await release("session_gate_release", lease.lease_id) is False
+    await lease.arelease()
+    s2, _ = await engine_counters(gate)
+    assert s2["leases_released"] == s1["leases_released"]
+    assert s2["leases_dropped_unreleased"] == s1["leases_dropped_unreleased"]
+    assert await gate.finish_session("bound-end")
+
+
+async def test_a_bound_lease_its_client_released_first_is_not_released_again(engine, gate):
+    s0, e0 = await engine_counters(gate)
+    lease = await gate.acquire("bound-first", prompt(41, 100), 4)
+    assert await lease.arelease()
+    async for _ in engine.generate(
+        {"prompt_token_ids": prompt(41, 100)}, bound(lease.lease_id, 4), request_id="bound-2"
+    ):
+        pass
+    s1, e1 = await engine_counters(gate)
+    assert s1["leases_released"] == s0["leases_released"] + 1 and s1["leases_active"] == 0
+    assert e1["bound_releases_unknown"] == e0["bound_releases_unknown"] + 1
+    assert e1["leases_released_by_request"] == e0["leases_released_by_request"]
+    assert await gate.finish_session("bound-first")
+
+
+async def test_an_aborted_request_releases_its_bound_lease(engine, gate):
+    """The request's client goes away mid-generation: vLLM aborts it, which frees the lease."""
+    s0, e0 = await engine_counters(gate)
+    lease = await gate.acquire("bound-abort", prompt(42, 100), 2000)
+    outputs = engine.generate(
+        {"prompt_token_ids": prompt(42, 100)}, bound(lease.lease_id, 2000), request_id="bound-3"
+    )
+    first = await outputs.__anext__()
+    assert not first.finished
+    await outputs.aclose()  # what a cancelled handler does: AsyncLLM aborts the request
+    deadline = time.monotonic() + 10
+    while (await gate.stats())["leases_active"] != 0:
+        assert time.monotonic() < deadline, "the aborted request's lease was never released"
+        await asyncio.sleep(0.05)
+    s1, e1 = await engine_counters(gate)
+    assert e1["leases_released_by_request"] == e0["leases_released_by_request"] + 1
+    assert e1["release_loop_calls"] == e0["release_loop_calls"] + 1
+    assert s1["leases_released"] == s0["leases_released"] + 1
+    await lease.arelease()  # a no-op now
+    assert await gate.finish_session("bound-abort")
+
+
+async def test_a_request_without_a_bound_lease_releases_nothing(engine, gate):
+    _, e0 = await engine_counters(gate)
+    await generate(engine, prompt(43, 50), 2)
+    params = SamplingParams(max_tokens=2, extra_args={"other": 1})
+    async for _ in engine.generate({"prompt_token_ids": prompt(44, 50)}, params, "unbound-2"):
+        pass
+    _, e1 = await engine_counters(gate)
+    for key in ("leases_released_by_request", "bound_releases_unknown", "release_loop_calls"):
+        assert e1[key] == e0[key], key
+
+
+def test_bind_puts_the_lease_in_a_new_extra_args_dict_of_one_engine_request():
+    from session_gate.engine.gate_binding import bind
+
+    theirs = {"other": 1}
+    params = SamplingParams(max_tokens=4, extra_args=theirs)
+    assert bind(params, 7)
+    assert params.extra_args == {"other": 1, LEASE_KEY: 7} and theirs == {"other": 1}
+    plain = SamplingParams(max_tokens=4)
+    assert bind(plain, 8) and plain.extra_args == {LEASE_KEY: 8}
+    # n > 1: vLLM fans the turn out into n engine requests, the first of which to end would
+    # release the lease while the others still run: not bound.
+    fanned = SamplingParams(max_tokens=4, n=2, temperature=1.0)
+    assert not bind(fanned, 9) and not fanned.extra_args

@@ -143,10 +143,14 @@ async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
     Both kinds get the same surroundings, so that the difference is the gate's alone: each
     request is followed by the same ``finish`` call (which the gated one needs, to drop its
     session), so neither starts while the server still winds down the request before it (that
-    tail used to land on the gated request only: +0.5 ms); and the order alternates."""
+    tail used to land on the gated request only: +0.5 ms); and the order alternates.
+
+    Also reported: how the gated turns' leases were released, from the engine gate's counters:
+    by the engine when their request ended (``gate_binding``: no call) or by a release call."""
     import httpx
 
     async with httpx.AsyncClient(timeout=60) as http:
+        before = (await http.get(f"{url}/session_gate/v1/stats")).json()["engine_gate"]
         times: dict[str, list[float]] = {"plain": [], "gated": []}
         body = {"model": "tiny", "prompt": list(range(10, 42)), "max_tokens": 1}
         for i in range(n):
@@ -161,6 +165,11 @@ async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
                 await http.post(
                     f"{url}/session_gate/v1/finish", json={"session_id": f"overhead-{i}"}
                 )
+        after = (await http.get(f"{url}/session_gate/v1/stats")).json()["engine_gate"]
+    by_request = after.get("leases_released_by_request", 0) - before.get(
+        "leases_released_by_request", 0
+    )
+    calls = after["release_loop_calls"] - before["release_loop_calls"]
     q = {k: statistics.quantiles(v, n=100, method="inclusive") for k, v in times.items()}
     return {
         "plain_p50_ms": q["plain"][49] * 1e3,
@@ -168,6 +177,11 @@ async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
         "plain_p99_ms": q["plain"][98] * 1e3,
         "gated_p99_ms": q["gated"][98] * 1e3,
         "added_p50_ms": (q["gated"][49] - q["plain"][49]) * 1e3,
+        # Every native release (the engine's own or a call's) and the engine's own among them.
+        "releases": calls,
+        "released_by_request": by_request,
+        "release_engine_us_mean": (after["release_loop_us_total"] - before["release_loop_us_total"])
+        / max(calls, 1),
     }
 
 

@@ -119,7 +119,18 @@ class EngineGateDriver:
         self._probes = probes
         self.config = config
         self.lease_ttl_sec = lease_ttl_sec
-        self.counters = {"ticks": 0, "tick_errors": 0}
+        #: ``leases_released_by_request``: bound leases the engine released when their vLLM
+        #: request ended (``gate_binding``); ``bound_releases_unknown``: such releases that found
+        #: the lease already gone (released by its client first), which change nothing.
+        self.counters = {
+            "ticks": 0,
+            "tick_errors": 0,
+            "leases_released_by_request": 0,
+            "bound_releases_unknown": 0,
+        }
+        #: Whether the engine releases leases bound to requests (``gate_binding``); clients learn
+        #: it from their renewals' answers.
+        self.binds_requests = False
         #: ``gate_splits.Splits`` while ``SESSION_GATE_LOOP_SPLITS=1`` times the calls.
         self.loop_splits: Any = None
         #: Set by the timer thread; the engine thread ticks when it sees it.
@@ -147,6 +158,16 @@ class EngineGateDriver:
 
     # -- utility calls (engine thread) ------------------------------------------------------
 
+    def release_bound(self, lease: int) -> bool:
+        """The engine's own release of a lease bound to a vLLM request that just ended
+        (``gate_binding``; engine thread). The same native release as a client's; releasing a
+        lease twice changes nothing the second time (False), so a client that released it
+        first makes this a no-op, counted."""
+        released = self._book.release(lease)
+        key = "leases_released_by_request" if released else "bound_releases_unknown"
+        self.counters[key] += 1
+        return released
+
     def cancel(self, ticket: Any, client_id: Any = None) -> bool:
         return self._book.cancel(ticket, client_id, _now())
 
@@ -157,7 +178,12 @@ class EngineGateDriver:
 
     def renew(self, client_id: Any) -> dict[str, Any]:
         leases, pending = self._book.renew(client_id, _now())
-        return {"lease_ttl_sec": self.lease_ttl_sec, "leases": leases, "pending": pending}
+        return {
+            "lease_ttl_sec": self.lease_ttl_sec,
+            "leases": leases,
+            "pending": pending,
+            "binds_requests": self.binds_requests,
+        }
 
     def stats(self) -> dict[str, Any]:
         s = self._book.stats()

@@ -33,7 +33,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import gate_splits, methods
+from session_gate.engine import gate_binding, gate_splits, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -85,6 +85,9 @@ def _driver(core: EngineCore) -> EngineGateDriver:
             core, _Probes(methods._state(core)), native, config, lease_ttl_from_env()
         )
         core.__dict__[DRIVER_ATTR] = driver
+        if gate_binding.installed:
+            gate_binding.attach(getattr(core, "scheduler", None), driver)
+            driver.binds_requests = True
         logger.info(
             "session_gate: engine gate up (%r, lease TTL %.1f s)", config, driver.lease_ttl_sec
         )
@@ -177,6 +180,10 @@ def install() -> None:
         bind = None if native is None else functools.partial(_native_method, native)
         setattr(EngineCore, name, _Utility(fn, bind))
     EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
+    try:
+        gate_binding.installed = gate_binding.install()
+    except Exception as exc:  # the gate works without it: clients release as before
+        logger.warning("session_gate: leases are not bound to requests: %r", exc)
     EngineCore._session_gate_gate_installed = True
     if gate_splits.enabled():  # measurement only: SESSION_GATE_LOOP_SPLITS=1
         from vllm.v1.engine.core import EngineCoreProc

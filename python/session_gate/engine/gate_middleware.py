@@ -12,7 +12,9 @@ for the engine gate (the one in the engine core, shared by every API-server proc
 - admitted: the request goes on, with ``x-session-gate-reason``, ``x-session-gate-wait-ms`` and
   ``x-session-gate-client`` (the API-server process's client id the lease is held under) response
   headers; the lease is released when the response ends — streamed or not, finished, failed or
-  abandoned by its client;
+  abandoned by its client: by the engine core itself when the request reached it (the lease is
+  bound to the vLLM request it admitted, ``gate_binding``: no release call), else by this
+  middleware's release call;
 - while the admit call travels to the engine core and back, vLLM already parses and renders the
   request: the server's ``engine_client.generate`` is wrapped so that a gated request reaches the
   engine only once admitted, and its response starts only once the gate has answered (a refused
@@ -28,7 +30,11 @@ for the engine gate (the one in the engine core, shared by every API-server proc
 
 The endpoint plugin must be enabled (``VLLM_PLUGINS=session_gate``): the middleware reaches the
 engine through its per-app state. Leases are held under this API-server process's client id and
-renewed by a heartbeat, so if the process dies the engine frees them after ``lease_ttl_sec``.
+renewed by a heartbeat, so if the process dies the engine frees them after ``lease_ttl_sec``
+(a lease bound to a request that reached the engine is freed when that request ends, sooner).
+Leases are bound only once the engine said it releases bound leases (the heartbeat's answer),
+and only on an engine without data parallelism (there each engine core has its own gate, and the
+admit's answer is the first engine's, while the request may run on another).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from session_gate.engine import gate_binding
 from session_gate.engine.gate_routes import DEFAULT_MAX_TOKENS, long_poll_admit
 from session_gate.engine.http_routes import _STATE_ATTR, ProbeError, _token_ids, prompt_ids
 from session_gate.probes import pack_token_ids
@@ -63,6 +70,10 @@ class SessionGateMiddleware:
         self._heartbeat: asyncio.Task[None] | None = None
         self._warned: set[str] = set()
         self._client_header = (b"x-session-gate-client", self.client_id.encode())
+        #: Whether the engine releases leases bound to requests (its renewals say so) and this
+        #: server can bind them (one engine core, no data parallelism): see ``gate_binding``.
+        self.engine_binds = False
+        self._can_bind: bool | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GATED_PATHS:
@@ -79,7 +90,7 @@ class SessionGateMiddleware:
             return
         replay = _replay(body, receive)
         try:
-            packed, max_tokens = await self._size(routes, scope, body)
+            packed, max_tokens, bindable = await self._size(routes, scope, body)
         except ProbeError as err:
             if err.status == 400 and err.message.startswith("cannot tokenize"):
                 # vLLM's own route will answer this malformed request better than we can.
@@ -94,6 +105,7 @@ class SessionGateMiddleware:
                 routes, receive, session_id, packed, max_tokens, True, self.client_id, ticket
             ),
             session_id,
+            bindable,
         )
         # The admit's round trip to the engine core (most of this middleware's cost) overlaps
         # vLLM's own request handling, which is held at engine_client.generate until the gate
@@ -112,7 +124,9 @@ class SessionGateMiddleware:
             _ADMISSION.reset(token)
             if admission.task.done():
                 lease = admission.lease()
-                if lease is not None:
+                # A lease bound to a request the engine had is released by the engine when that
+                # request ends (or is aborted): no call. Anything else is released here.
+                if lease is not None and not admission.reached_engine:
                     # Its own task: a cancelled handler (client gone) must still release.
                     release = asyncio.ensure_future(
                         routes.call("session_gate_release", lease, self.client_id)
@@ -144,17 +158,40 @@ class SessionGateMiddleware:
 
         async def generate(*args: Any, **kwargs: Any) -> Any:
             admission = _ADMISSION.get()
-            if admission is not None:
-                await admission.go_ahead()
+            if admission is None:
+                async for output in original(*args, **kwargs):
+                    yield output
+                return
+            await admission.go_ahead()
+            # Decided now, not when the request came: the heartbeat started with this server's
+            # first gated request has answered by the time the admit has.
+            if not (self.engine_binds and self._binds(routes) and admission.bind(args, kwargs)):
+                async for output in original(*args, **kwargs):
+                    yield output
+                return
             async for output in original(*args, **kwargs):
+                # The engine core has the request: its end releases the bound lease there.
+                admission.reached_engine = True
                 yield output
 
         client.generate = generate
         setattr(client, _HOOKED, True)
         return True
 
-    async def _size(self, routes: Any, scope: dict, body: bytes) -> tuple[bytes, int]:
-        """The prompt's packed ids and the turn's ``max_tokens``."""
+    def _binds(self, routes: Any) -> bool:
+        """Whether this server's engine has a single engine core (no data parallelism): a bound
+        lease must be released by the gate that issued it."""
+        if self._can_bind is None:
+            try:
+                parallel = routes.engine_client.vllm_config.parallel_config
+                self._can_bind = int(parallel.data_parallel_size) == 1
+            except (AttributeError, TypeError, ValueError):
+                self._can_bind = False
+        return self._can_bind
+
+    async def _size(self, routes: Any, scope: dict, body: bytes) -> tuple[bytes, int, bool]:
+        """The prompt's packed ids, the turn's ``max_tokens`` and whether its lease can be
+        bound to its request (one engine request: no beam search, ``n`` 1)."""
         try:
             parsed = json.loads(body)
         except ValueError:
@@ -176,8 +213,9 @@ class SessionGateMiddleware:
         max_tokens = parsed.get("max_completion_tokens") or parsed.get("max_tokens")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             max_tokens = DEFAULT_MAX_TOKENS
+        bindable = not parsed.get("use_beam_search") and parsed.get("n") in (None, 1)
         try:
-            return pack_token_ids(ids), max_tokens
+            return pack_token_ids(ids), max_tokens, bindable
         except OverflowError as exc:
             raise ProbeError(400, f"token ids must fit in uint32: {exc}") from exc
 
@@ -195,6 +233,7 @@ class SessionGateMiddleware:
             try:
                 answer = await routes.call("session_gate_renew", self.client_id)
                 routes.lease_ttl_sec = float(answer["lease_ttl_sec"])
+                self.engine_binds = answer.get("binds_requests") is True
             except Exception as exc:  # noqa: BLE001 - keep beating
                 logger.debug("session_gate: middleware heartbeat failed: %r", exc)
             period = (routes.lease_ttl_sec or 3.0) / 3
@@ -221,9 +260,13 @@ class NotAdmitted(ValueError):
 class _Admission:
     """One request's admit call, answered while vLLM already handles the request."""
 
-    def __init__(self, admit: Any, session_id: str) -> None:
+    def __init__(self, admit: Any, session_id: str, bindable: bool = False) -> None:
         self.task: asyncio.Task[dict[str, Any] | None] = asyncio.ensure_future(admit)
         self.session_id = session_id
+        #: Whether the lease may still be bound to a request (the first generate only).
+        self._bindable = bindable
+        #: The lease is bound to a request whose generate yielded: the engine releases it.
+        self.reached_engine = False
         #: The gate's failure (bad input: 400; else unavailable, and the request goes ungated).
         self.error: ProbeError | None = None
 
@@ -240,6 +283,16 @@ class _Admission:
             return None
         answer = self.task.result()
         return answer["lease"] if answer and answer.get("status") == "admitted" else None
+
+    def bind(self, args: tuple, kwargs: dict) -> bool:
+        """Binds the lease to the request ``generate(*args, **kwargs)`` will add (its sampling
+        parameters, second argument); once per admission. False if nothing was bound."""
+        if not self._bindable:
+            return False
+        self._bindable = False  # a second generate (not one engine request): release here
+        lease = self.lease()
+        params = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+        return lease is not None and params is not None and gate_binding.bind(params, lease)
 
     async def go_ahead(self) -> None:
         """Returns when the request may reach the engine; raises NotAdmitted otherwise."""

@@ -132,6 +132,34 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="vllm.v1.core.sched.scheduler.Scheduler._free_request",
+        how="wrapped once in the engine core process (gate_binding): vLLM's own freeing runs, "
+        "then a request whose SamplingParams.extra_args carries session_gate_lease releases "
+        "that lease in the engine gate's book; any other request costs one attribute read and "
+        "a truthiness test. The wrapper spells out vLLM 0.31-0.33's (request, "
+        "delay_free_blocks=False) signature",
+        why="a lease bound to the vLLM request it admitted is freed when that request ends or "
+        "is aborted (a client gone: vLLM aborts it) with no release call (zero IPC); "
+        "_free_request is the one place every finished and aborted request passes "
+        "(update_from_output and finish_requests)",
+        removable_when="vLLM offers a request-finished hook for plugins in the engine core",
+        checks=(
+            "vllm.v1.core.sched.scheduler:Scheduler._free_request",
+            "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+            "vllm.v1.request:Request#sampling_params",
+        ),
+    ),
+    Patch(
+        symbol="vllm.SamplingParams.extra_args (the gating middleware's requests)",
+        how="the middleware's wrapped engine_client.generate adds the key session_gate_lease "
+        "(the admitted lease id, an int) to a gated request's extra_args (a new dict), for "
+        "requests of one engine request (n 1, no beam search) on an engine without data "
+        "parallelism; it travels to the engine core inside the EngineCoreRequest",
+        why="binds the lease to the request it admitted (see Scheduler._free_request above)",
+        removable_when="vLLM offers a request-finished hook for plugins in the engine core",
+        checks=("vllm.sampling_params:SamplingParams.extra_args",),
+    ),
+    Patch(
         symbol="vllm.v1.engine.core.EngineCore.post_step",
         how="wrapped once: the original runs, then the engine gate ticks if its timer is due "
         "(one dict lookup and one attribute read per step otherwise)",
