@@ -105,15 +105,6 @@ fn turn(core: &mut GateCore, session: &str, blocks: usize, retain: bool, now: f6
     drive(core, id, now, usage(0.1), hit(0.0))
 }
 
-/// A turn of no blocks kept in flight for a whole test: the engine is never idle, so the rule
-/// "An idle engine" (module docs: an idle engine admits the head past the line) stays out of
-/// scenarios that test revocation, FIFO and waking with everything else between turns.
-fn busy(core: &mut GateCore) -> Run {
-    let run = turn(core, "busy", 0, false, 0.0);
-    assert_eq!(run.reason(), Reason::Open);
-    run
-}
-
 fn lease_of(run: &Run) -> session_gate::gate::LeaseId {
     run.admitted().lease
 }
@@ -348,7 +339,6 @@ fn a_waiter_looks_again_after_wait_poll_sec() {
 #[test]
 fn finish_session_ends_the_window_and_wakes_a_waiter() {
     let mut c = core();
-    let _busy = busy(&mut c);
     let agent = turn(&mut c, "agent", 80, true, 0.0);
     c.release(lease_of(&agent), 1.0);
     let id = c.begin("cold", tokens(20), 0, false, 1.0);
@@ -385,7 +375,6 @@ fn grace_expiry_is_purged_by_the_next_waiter() {
         ..Default::default()
     })
     .unwrap();
-    let _busy = busy(&mut c);
     let agent = turn(&mut c, "agent", 80, true, 0.0);
     c.release(lease_of(&agent), 10.0);
     assert_eq!(c.next_deadline(), Some(70.0));
@@ -405,7 +394,6 @@ fn grace_expiry_is_purged_by_the_next_waiter() {
 #[test]
 fn the_youngest_reservation_is_revoked_when_contexts_grow_past_the_line() {
     let mut c = core();
-    let _busy = busy(&mut c);
     let old = turn(&mut c, "old", 30, true, 0.0);
     let young = turn(&mut c, "young", 30, true, 1.0);
     c.release(lease_of(&old), 2.0);
@@ -438,7 +426,6 @@ fn the_youngest_reservation_is_revoked_when_contexts_grow_past_the_line() {
 #[test]
 fn a_revoked_session_with_a_resident_prefix_rejoins_as_the_youngest() {
     let mut c = core();
-    let _busy = busy(&mut c);
     let old = turn(&mut c, "old", 30, true, 0.0);
     let young = turn(&mut c, "young", 30, true, 0.0);
     c.release(lease_of(&old), 1.0);
@@ -454,7 +441,6 @@ fn a_revoked_session_with_a_resident_prefix_rejoins_as_the_youngest() {
 #[test]
 fn a_revoked_session_keeps_its_place_in_line_ahead_of_later_arrivals() {
     let mut c = core();
-    let _busy = busy(&mut c);
     let old = turn(&mut c, "old", 30, true, 0.0);
     let mid = turn(&mut c, "mid", 30, true, 1.0);
     // "late" arrives after "mid" obtained its reservation: 60 + 40 > 85, it waits.

@@ -226,8 +226,6 @@ async fn a_newer_acquire_preempts_a_waiting_one() {
 async fn finish_session_forgets_the_session_and_wakes_a_waiter() {
     let p = probe(0.1);
     let g = gate(&p);
-    // A turn of no blocks in flight: the engine is never idle (gate::core, "An idle engine").
-    let _busy = acquire(&g, "busy", 0, false).await;
     let mut agent = acquire(&g, "agent", 80, true).await;
     agent.release();
     let waiter = spawn_acquire(&g, "cold", 20, false);
@@ -265,8 +263,6 @@ async fn grace_expiry_wakes_the_head_waiter() {
             ..Default::default()
         },
     );
-    // A turn of no blocks in flight: the engine is never idle (gate::core, "An idle engine").
-    let _busy = acquire(&g, "busy", 0, false).await;
     let mut agent = acquire(&g, "agent", 80, true).await;
     // A 2 s turn: 8 of them (16 s) outlast the 10 s window, so it never yields to the waiter
     // (gate::core, "Yielding idle room") and only the window's end lets it in.

@@ -74,13 +74,6 @@ async def hold_a(gate: SessionGate) -> Lease:
     return lease
 
 
-async def hold_busy(gate: SessionGate) -> Lease:
-    """A turn of no blocks kept in flight: the engine is never idle, so the core's rule "An
-    idle engine" (no lease in flight: the head goes past the line) stays out of scenarios that
-    test what frees room while every other session is between turns."""
-    return await gate.acquire("busy", prompt(0), 0, retain_session=False)
-
-
 # ---- reasons --------------------------------------------------------------------------------
 
 
@@ -279,7 +272,6 @@ async def test_a_waiter_is_admitted_when_another_session_releases():
 
 async def test_a_waiter_is_admitted_when_a_session_finishes():
     gate, probe = make_gate()
-    busy = await hold_busy(gate)
     async with gate.admit("a", prompt(60), max_tokens=0) as a:
         assert a.retain_session
     assert gate.has_reservation("a")  # idle grace window, 60 s
@@ -292,12 +284,10 @@ async def test_a_waiter_is_admitted_when_a_session_finishes():
     assert not gate.has_reservation("a")
     assert gate.stats()["sessions_finished"] == 1
     lease.release()
-    busy.release()
 
 
 async def test_an_expired_grace_window_lets_the_head_waiter_in():
     gate, _ = make_gate(idle_grace_sec=0.2)
-    busy = await hold_busy(gate)
     async with gate.admit("a", prompt(60), max_tokens=0):
         # A 0.05 s turn: 8 of them (0.4 s) outlast the window, so it never yields early.
         await asyncio.sleep(0.05)
@@ -307,7 +297,6 @@ async def test_an_expired_grace_window_lets_the_head_waiter_in():
     assert 0.1 <= lease.wait_sec < 10  # woke at the window's end, not at wait_poll_sec
     assert gate.stats()["grace_expired"] == 1
     lease.release()
-    busy.release()
 
 
 async def test_waiters_are_admitted_first_in_first_out():

@@ -98,10 +98,6 @@ async def test_a_full_cache_holds_the_cold_session_and_admits_the_resident_one(e
             await run(engine, tokens)
     assert gate.stats()["committed_blocks"] == 39
 
-    # A turn of no blocks stays in flight: with nothing in flight the core admits the head of
-    # the queue past the line ("An idle engine", gate::core), which is not what this tests.
-    busy = await gate.acquire("busy", [], 0, retain_session=False)
-
     # A cold session (21 blocks) no longer fits under the line: 39 + 21 > 53.5. Its prefix
     # probe finds nothing resident, so it waits.
     cold = asyncio.create_task(gate.acquire("cold", random_prompt(rng, 20 * BLOCK), MAX_TOKENS))
@@ -127,7 +123,6 @@ async def test_a_full_cache_holds_the_cold_session_and_admits_the_resident_one(e
     assert lease.reason == "open"
     assert lease.wait_sec > 0.1
     lease.release()
-    busy.release()
 
     stats = gate.stats()
     assert stats["admissions"]["resident_prefix"] == 1

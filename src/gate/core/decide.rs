@@ -72,10 +72,6 @@ impl GateCore {
                         if usage < hw && self.yield_idle(ws, line, now) {
                             return Step::Admit(Reason::Open);
                         }
-                        // An idle engine (module docs): waiting now costs the whole engine.
-                        if self.leases.is_empty() && committed + ws <= g.num_blocks {
-                            return Step::Admit(Reason::Open);
-                        }
                     }
                 }
                 Step::Prefix

@@ -18,8 +18,7 @@
 //! 2. Cold, and FIFO allows it (see below): `open` when nothing is committed (so an oversize
 //!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`, or
 //!    when usage < watermark and idle reservations may yield enough room (see "Yielding idle
-//!    room"), or when no lease is in flight and `committed + ws ≤ num_blocks` (see "An idle
-//!    engine").
+//!    room").
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
 //!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
 //! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
@@ -43,19 +42,6 @@
 //! at least half of `idle_grace_sec` (more if its turns are slow) and at most all of it; with
 //! nobody waiting, or a head that would not fit anyway, it holds the whole window. With the
 //! default 60 s, sessions whose tools return within 30 s never lose their room to a waiter.
-//!
-//! **An idle engine.** When no lease is in flight (every reserved session is between turns,
-//! e.g. in a tool call, and nothing this gate admitted is running), the head of the queue is
-//! admitted `open` past the line, as long as its working set fits in the whole cache next to
-//! everything committed (the bound `resident_prefix` keeps too). Nobody is revoked and nothing
-//! yields: the reservations stay committed, so the line keeps every other waiter out until
-//! something ends. Only the head gets in: its lease is then in flight. Why: the gate holds room
-//! back so that reserved sessions do not re-prefill; that trade weighs re-prefill against
-//! waiting, and with nothing in flight waiting costs the whole engine (it idles) while the
-//! admitted turn's prefill, however dear, runs on steps that would otherwise be empty. Measured
-//! on the twin (README, issue 10): the gate's loss to `cap8` on `default@cpu-tiny` was engine
-//! idle time, not prefill (same busy time, 1–2.3 s more idle); a learned per-token cost could
-//! not tell the two apart, this rule needs none.
 //!
 //! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
