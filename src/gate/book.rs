@@ -414,7 +414,7 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> Option<Answer> {
-        match settle(&mut self.core, attempt, session_id, &payload, now, probes) {
+        match poll_until_decided(&mut self.core, attempt, session_id, &payload, now, probes) {
             Settled::Waits(until) => {
                 let order = self.park(ticket, until);
                 self.attempts.insert(
@@ -485,7 +485,7 @@ impl<T> EngineBook<T> {
         probes: &mut impl BookProbes<T>,
     ) -> Option<(T, Answer)> {
         let p = self.attempts.get(ticket)?;
-        let settled = settle(
+        let settled = poll_until_decided(
             &mut self.core,
             p.attempt,
             &p.session_id,
@@ -558,6 +558,11 @@ impl<T> EngineBook<T> {
     /// Wakes every waiter while the epoch moves (the core answers a spurious wake-up with the
     /// same `Wait`, without a probe).
     fn settle(&mut self, now: f64, probes: &mut impl BookProbes<T>) {
+        if self.waiting.is_empty() {
+            // Nobody to wake (the common case after a release): just note the epoch.
+            self.epoch = self.core.epoch();
+            return;
+        }
         while self.core.epoch() != self.epoch {
             self.epoch = self.core.epoch();
             let parked: Vec<String> = self.waiting.values().cloned().collect();
@@ -674,7 +679,7 @@ enum Settled {
 
 /// Polls `attempt`, answering the core's probe requests, until it waits or ends: the one
 /// poll loop behind both a new attempt's call and a parked attempt's wake-up.
-fn settle<T>(
+fn poll_until_decided<T>(
     core: &mut GateCore,
     attempt: AttemptId,
     session_id: &str,
