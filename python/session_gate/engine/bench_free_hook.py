@@ -1,4 +1,4 @@
-"""``python -m session_gate.bench.clients_free_hook``: what the engine gate's wrap of vLLM's
+"""``python -m session_gate.engine.bench_free_hook``: what the engine gate's wrap of vLLM's
 ``Scheduler._free_request`` (``session_gate.engine.gate_binding``) adds to the engine loop for a
 request WITHOUT a bound lease, which is every request but the middleware's gated ones.
 
@@ -6,7 +6,8 @@ It times, in one process, a stand-in ``_free_request`` that does nothing, called
 the wrapper, on a real ``vllm.v1.request.Request`` (plain ``SamplingParams``: ``extra_args`` is
 None, as vLLM's own requests have it; and one with an ``extra_args`` of another key). The added
 time is the wrapper's frame and its two checks, in ns per finished request: a floor (warm
-caches, a tight loop), printed as one JSON line, the best of ``--rounds``.
+caches, a tight loop), printed as one JSON line, the best of ``--rounds``. It lives beside the
+other engine benchmarks because it imports vLLM.
 """
 
 from __future__ import annotations
