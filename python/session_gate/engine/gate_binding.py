@@ -29,7 +29,7 @@ logger = logging.getLogger("session_gate")
 
 #: The key of ``SamplingParams.extra_args`` that carries a bound lease id.
 LEASE_KEY = "session_gate_lease"
-#: Whether this process's ``Scheduler._free_request`` is wrapped (set by ``gate_methods``).
+#: Whether this process's ``Scheduler._free_request`` is wrapped (set by :func:`install`).
 installed = False
 #: Where the engine core's scheduler keeps its engine gate driver (set when the driver is built).
 SCHEDULER_DRIVER_ATTR = "_session_gate_driver"
@@ -83,9 +83,10 @@ def install() -> bool:
     """Wraps ``Scheduler._free_request`` (idempotent); False, with a warning, if this vLLM has
     none. Then the driver does not say ``binds_requests`` in its renewals, the middleware binds
     nothing and releases as before."""
+    global installed
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    if getattr(Scheduler, "_session_gate_binding_installed", False):
+    if installed:
         return True
     original = getattr(Scheduler, "_free_request", None)
     if original is None:
@@ -95,5 +96,5 @@ def install() -> bool:
         )
         return False
     Scheduler._free_request = _wrap_free_request(original)
-    Scheduler._session_gate_binding_installed = True
+    installed = True
     return True

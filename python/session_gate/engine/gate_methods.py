@@ -181,7 +181,7 @@ def install() -> None:
         setattr(EngineCore, name, _Utility(fn, bind))
     EngineCore.post_step = _wrap_post_step(EngineCore.post_step)
     try:
-        gate_binding.installed = gate_binding.install()
+        gate_binding.install()
     except Exception as exc:  # the gate works without it: clients release as before
         logger.warning("session_gate: leases are not bound to requests: %r", exc)
     EngineCore._session_gate_gate_installed = True

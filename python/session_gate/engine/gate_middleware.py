@@ -158,20 +158,16 @@ class SessionGateMiddleware:
 
         async def generate(*args: Any, **kwargs: Any) -> Any:
             admission = _ADMISSION.get()
-            if admission is None:
-                async for output in original(*args, **kwargs):
-                    yield output
-                return
-            await admission.go_ahead()
-            # Decided now, not when the request came: the heartbeat started with this server's
-            # first gated request has answered by the time the admit has.
-            if not (self.engine_binds and self._binds(routes) and admission.bind(args, kwargs)):
-                async for output in original(*args, **kwargs):
-                    yield output
-                return
+            bound = False
+            if admission is not None:
+                await admission.go_ahead()
+                # Decided now, not when the request came: the heartbeat started with this
+                # server's first gated request has answered by the time the admit has.
+                bound = self.engine_binds and self._binds(routes) and admission.bind(args, kwargs)
             async for output in original(*args, **kwargs):
-                # The engine core has the request: its end releases the bound lease there.
-                admission.reached_engine = True
+                if bound:
+                    # The engine core has the request: its end releases the bound lease there.
+                    admission.reached_engine = True
                 yield output
 
         client.generate = generate
