@@ -72,14 +72,6 @@ impl GateCore {
                         if usage < hw && self.yield_idle(ws, line, now) {
                             return Step::Admit(Reason::Open);
                         }
-                        if self.borrow_mode < 5 && self.may_borrow(id, ws, g.num_blocks) {
-                            self.attempt_mut(id).borrow = true;
-                            eprintln!(
-                                "sg-borrow t={now:.3} ws={ws} revoked={}",
-                                self.attempts[&id].revoked
-                            );
-                            return Step::Admit(Reason::Open);
-                        }
                     }
                 }
                 Step::Prefix
@@ -141,24 +133,6 @@ impl GateCore {
             .min_by(f64::total_cmp)
     }
 
-    /// An idle engine (module docs): the head may borrow the room for one turn.
-    fn may_borrow(&self, id: u64, ws: u64, num_blocks: u64) -> bool {
-        let Some(since) = self.idle_since else {
-            return false;
-        };
-        let fits = self.ledger.committed() + ws <= num_blocks;
-        fits && match self.borrow_mode {
-            5 | 7 | 8 => self.attempts[&id].started < since,
-            9 => true,
-            6 => true,
-            1 => true,
-            2 => self.attempts[&id].started < since,
-            3 => self.attempts[&id].started < since && !self.attempts[&id].revoked,
-            4 => self.attempts[&id].started < since && self.attempts[&id].revoked,
-            _ => false,
-        }
-    }
-
     /// Steps 3–4, once the prefix answer is in.
     pub(super) fn decide_on_prefix(&mut self, id: u64, now: f64) -> Step {
         let a = &self.attempts[&id];
@@ -168,15 +142,6 @@ impl GateCore {
                 return Step::Admit(Reason::ResidentPrefix);
             }
             _ => {}
-        }
-        if self.borrow_mode >= 5
-            && self.may_open(a.order)
-            && let (Some(g), Some(ws)) = (self.geometry, self.blocks(a.ws_tokens))
-            && self.may_borrow(id, ws, g.num_blocks)
-        {
-            self.attempt_mut(id).borrow = true;
-            eprintln!("sg-borrow5 t={now:.3} ws={ws}");
-            return Step::Admit(Reason::Open);
         }
         if self.cfg.max_wait_sec.is_some_and(|m| now - a.started >= m) {
             return Step::Admit(Reason::MaxWait);

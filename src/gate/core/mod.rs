@@ -150,8 +150,6 @@ struct Attempt {
     preempted: bool,
     queued: bool,
     revoked: bool,
-    /// Admitted on a borrow (module docs, "An idle engine"): its lease takes no reservation.
-    borrow: bool,
 }
 
 #[derive(Debug)]
@@ -186,10 +184,6 @@ pub struct GateCore {
     next_lease: u64,
     epoch: u64,
     pending: u64,
-    /// Since when no lease has been in flight (`None` while one is): "An idle engine".
-    idle_since: Option<f64>,
-    borrow_mode: u8,
-    kept: std::collections::HashMap<String, (u64, f64)>,
     stats: GateStats,
 }
 
@@ -209,12 +203,6 @@ impl GateCore {
             next_lease: 1,
             epoch: 0,
             pending: 0,
-            idle_since: Some(f64::NEG_INFINITY),
-            borrow_mode: std::env::var("SG_BORROW")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
-            kept: Default::default(),
             stats: GateStats::new(),
         })
     }
@@ -245,11 +233,6 @@ impl GateCore {
         let id = self.next_attempt;
         self.next_attempt += 1;
         let mut order = id;
-        if let Some((o, until)) = self.kept.remove(session_id)
-            && until > now
-        {
-            order = o;
-        }
         let mut queued = false;
         if let Some(old_id) = self.sessions.get(slot).pending {
             let old = self
@@ -287,7 +270,6 @@ impl GateCore {
                 preempted: false,
                 queued,
                 revoked: false,
-                borrow: false,
             },
         );
         self.pending += 1;
@@ -585,7 +567,7 @@ impl GateCore {
             session.pending = None;
         }
         let takes = match self.cfg.pressure {
-            Pressure::Committed => !a.borrow,
+            Pressure::Committed => true,
             Pressure::Engine => {
                 session.reservation.is_some() || (reason != Reason::Open && a.retain)
             }
@@ -625,12 +607,6 @@ impl GateCore {
         let num_preempted = session.num_preempted;
         let lease = self.next_lease;
         self.next_lease += 1;
-        self.idle_since = None;
-        if a.borrow && self.borrow_mode >= 8 {
-            let id = self.sessions.get(a.slot).id.to_string();
-            self.kept
-                .insert(id, (a.order, now + self.cfg.idle_grace_sec));
-        }
         self.leases.insert(
             lease,
             LeaseRec {
@@ -696,9 +672,6 @@ impl GateCore {
             self.drop_reservation(rec.slot);
         }
         self.sessions.gc(rec.slot);
-        if self.leases.is_empty() {
-            self.idle_since = Some(now);
-        }
         if dropped {
             self.stats.leases_dropped_unreleased += 1;
         } else {
