@@ -403,9 +403,11 @@ impl PyEngineGateBook {
         out
     }
 
-    /// Monotonic seconds on `time.monotonic()`'s scale.
-    fn now(&self) -> f64 {
-        self.clock.1 + self.clock.0.elapsed().as_secs_f64()
+    /// `at` (this call's one clock read, taken on entry) in monotonic seconds on
+    /// `time.monotonic()`'s scale: the call reads the clock once more, at its end, for its
+    /// own time.
+    fn now(&self, at: Instant) -> f64 {
+        self.clock.1 + at.saturating_duration_since(self.clock.0).as_secs_f64()
     }
 
     /// The admit of [`Self::admit`], its arguments unpacked.
@@ -453,7 +455,7 @@ impl PyEngineGateBook {
             future: None,
         };
         self.start_parts(started);
-        let now = self.now();
+        let now = self.now(started);
         let answer = self.with_book(py, |book, probes| {
             book.admit(
                 ticket,
@@ -643,7 +645,7 @@ impl PyEngineGateBook {
             };
             let client_id = optional_id("client_id", client_id.as_deref())?;
             self.start_parts(started);
-            let now = self.now();
+            let now = self.now(started);
             let released = self.with_book(py, |book, probes| {
                 Ok(book.release(lease, client_id, now, probes))
             })?;
