@@ -2,8 +2,8 @@
 //! core (`session_gate/engine/gate_driver.py`), one native call per utility call.
 //!
 //! A skin over [`crate::gate::book::EngineBook`]: it checks the arguments (the messages the
-//! HTTP routes answer 400 with), reads the block pool's usage itself (two attribute reads, no
-//! Python frame), calls the engine's prefix probe (Python, with its own native walk) only when
+//! HTTP routes answer 400 with), reads the block pool's usage itself (one attribute of its
+//! free-block queue, no Python frame), calls the engine's prefix probe (Python, with its own native walk) only when
 //! the core asks for it, and answers deferred admits by resolving their
 //! `concurrent.futures.Future` (which vLLM sends back when it is done). Engine thread only.
 //!
@@ -80,7 +80,8 @@ struct Payload {
 /// pool cannot change during one engine-thread call), prefix through the engine's probe.
 struct Probes<'a, 'py> {
     py: Python<'py>,
-    pool: &'a Bound<'py, PyAny>,
+    /// The pool's `free_block_queue`.
+    free_queue: &'a Bound<'py, PyAny>,
     prefix: &'a Bound<'py, PyAny>,
     block_size: u64,
     /// `block_pool.num_gpu_blocks` (fixed for the pool's life), null block included.
@@ -98,8 +99,7 @@ impl Probes<'_, '_> {
         // vLLM's `BlockPool.get_num_free_blocks()` and `get_usage()` without their two Python
         // frames: the same attribute, the same float (the null block never counts).
         let num_free_blocks: u64 = self
-            .pool
-            .getattr(intern!(py, "free_block_queue"))?
+            .free_queue
             .getattr(intern!(py, "num_free_blocks"))?
             .extract()?;
         let num_blocks = self.num_gpu_blocks.saturating_sub(1);
@@ -191,8 +191,11 @@ impl BookProbes<Payload> for Probes<'_, '_> {
 #[pyclass(name = "EngineGateBook", module = "session_gate._native")]
 pub(crate) struct PyEngineGateBook {
     book: EngineBook<Payload>,
-    /// vLLM's `BlockPool` (usage is read from it).
-    pool: Py<PyAny>,
+    /// vLLM's `BlockPool` (kept alive with its queue).
+    _pool: Py<PyAny>,
+    /// Its `free_block_queue`, read once: usage is its `num_free_blocks` (vLLM makes the queue
+    /// with the pool and never replaces it; one attribute read less per call, on cold caches).
+    free_queue: Py<PyAny>,
     /// `prefix(session_id, token_ids) -> dict`: the engine's prefix probe (`session_gate_probe`).
     prefix: Py<PyAny>,
     /// `arm(at)`: asks the timer thread to wake the engine at `at` (the core's clock).
@@ -381,12 +384,11 @@ impl PyEngineGateBook {
         py: Python<'py>,
         f: impl FnOnce(&mut EngineBook<Payload>, &mut Probes<'_, 'py>) -> PyResult<R>,
     ) -> PyResult<R> {
-        let pool = self.pool.bind(py).clone();
-        let prefix = self.prefix.bind(py).clone();
+        // Borrowed, not cloned: no reference count written on either object.
         let mut probes = Probes {
             py,
-            pool: &pool,
-            prefix: &prefix,
+            free_queue: self.free_queue.bind(py),
+            prefix: self.prefix.bind(py),
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             usage: None,
@@ -554,15 +556,15 @@ impl PyEngineGateBook {
     ) -> PyResult<Self> {
         no_panic("EngineGateBook()", || {
             let core = GateCore::new(config.inner().clone())?;
-            let num_gpu_blocks: u64 = block_pool
-                .bind(py)
-                .getattr(intern!(py, "num_gpu_blocks"))?
-                .extract()?;
+            let pool = block_pool.bind(py);
+            let num_gpu_blocks: u64 = pool.getattr(intern!(py, "num_gpu_blocks"))?.extract()?;
+            let free_queue = pool.getattr(intern!(py, "free_block_queue"))?.unbind();
             let monotonic = py.import("time")?.getattr("monotonic")?;
             let clock = (Instant::now(), monotonic.call0()?.extract::<f64>()?);
             Ok(Self {
                 book: EngineBook::new(core, lease_ttl_sec)?,
-                pool: block_pool,
+                _pool: block_pool,
+                free_queue,
                 prefix,
                 arm,
                 future_cls,
