@@ -298,8 +298,14 @@ fn reason_strs(py: Python<'_>) -> PyResult<ReasonStrs> {
     for key in ADMITTED_KEYS {
         admitted.set_item(PyString::intern(py, key), py.None())?;
     }
-    // The one value every admission's answer shares.
+    // The one value every admission's answer shares, and the values most have (an open
+    // admit answered in its call): `admission_dict` sets only the others.
     admitted.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
+    admitted.set_item(intern!(py, "wait_sec"), 0.0)?;
+    admitted.set_item(intern!(py, "retain_session"), true)?;
+    admitted.set_item(intern!(py, "reserved"), true)?;
+    admitted.set_item(intern!(py, "revoked"), false)?;
+    admitted.set_item(intern!(py, "num_preempted"), 0)?;
     Ok(ReasonStrs {
         reasons: Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind()),
         admitted: admitted.unbind(),
@@ -319,22 +325,43 @@ fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
         .iter()
         .position(|r| *r == a.reason)
         .expect("Reason::ALL lists every reason");
-    // Every key is there already (and `status`'s value): each item below replaces a value,
-    // nothing grows.
+    // Every key is there already, with `status`'s value and the common ones (see
+    // `reason_strs`): each item below replaces a value, nothing grows, and a value the
+    // template already has is not set again (on the engine thread every item is a few cache
+    // lines missed).
     let d = reasons.admitted.bind(py).copy()?;
     d.set_item(intern!(py, "lease"), a.lease.0)?;
     d.set_item(intern!(py, "ticket"), ticket)?;
     d.set_item(intern!(py, "session_id"), session_id)?;
     d.set_item(intern!(py, "reason"), reasons.reasons[reason].bind(py))?;
-    d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
-    d.set_item(intern!(py, "usage"), a.usage)?;
-    d.set_item(intern!(py, "pressure"), a.pressure)?;
-    d.set_item(intern!(py, "hit_ratio"), a.hit_ratio)?;
-    d.set_item(intern!(py, "retain_session"), a.retain_session)?;
-    d.set_item(intern!(py, "reserved"), a.reserved)?;
-    d.set_item(intern!(py, "revoked"), a.revoked)?;
-    d.set_item(intern!(py, "working_set_blocks"), a.working_set_blocks)?;
-    d.set_item(intern!(py, "num_preempted"), a.num_preempted)?;
+    // `!=` also sets -0.0 and NaN as they are.
+    if a.wait_sec != 0.0 || a.wait_sec.is_sign_negative() {
+        d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
+    }
+    for (key, value) in [
+        (intern!(py, "usage"), a.usage),
+        (intern!(py, "pressure"), a.pressure),
+        (intern!(py, "hit_ratio"), a.hit_ratio),
+    ] {
+        if value.is_some() {
+            d.set_item(key, value)?;
+        }
+    }
+    if !a.retain_session {
+        d.set_item(intern!(py, "retain_session"), false)?;
+    }
+    if !a.reserved {
+        d.set_item(intern!(py, "reserved"), false)?;
+    }
+    if a.revoked {
+        d.set_item(intern!(py, "revoked"), true)?;
+    }
+    if a.working_set_blocks.is_some() {
+        d.set_item(intern!(py, "working_set_blocks"), a.working_set_blocks)?;
+    }
+    if a.num_preempted != 0 {
+        d.set_item(intern!(py, "num_preempted"), a.num_preempted)?;
+    }
     Ok(d)
 }
 
