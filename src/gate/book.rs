@@ -14,6 +14,7 @@
 //! attempts that end later ([`EngineBook::take_resolved`]). Every decision is the core's.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::core::{GateCore, IdMap};
 use super::metrics::GateStats;
@@ -99,20 +100,28 @@ struct Pending<T> {
 // A pending attempt is one that parked: only those enter `attempts`, and each is listed in
 // its client's set of pending attempts from then on.
 
-/// A lease's holder. Its session is the core's (`GateCore::lease_session`); both ids are
-/// shared, not copied: an admit answered in its call allocates only its ticket.
+/// A lease's holder. Its session is the core's (`GateCore::lease_session`); the client and
+/// the ticket are shared, not copied: an admit answered in its call allocates only its ticket.
 struct Held {
-    client: Arc<str>,
+    client: Arc<Holder>,
     ticket: Arc<str>,
 }
 
-struct Client {
-    /// The same allocation as its key in `clients` (a lease's holder shares it too).
+/// What a client shares with the leases it holds: its id and their count, so that granting
+/// or releasing a lease does not look the client up again (on the engine thread each lookup
+/// is a hash and a few cache lines missed).
+struct Holder {
+    /// The same allocation as the client's key in `clients`.
     id: Arc<str>,
+    /// Leases it holds (which ones: `held`, scanned only when it expires). Only the engine
+    /// thread touches it; atomic because the book is `Send`.
+    leases: AtomicUsize,
+}
+
+struct Client {
+    holder: Arc<Holder>,
     last_seen: f64,
     attempts: HashSet<String>,
-    /// Leases it holds (which ones: `held`, scanned only when it expires).
-    leases: usize,
 }
 
 /// The core plus who holds what. `T` is the host's per-attempt payload.
@@ -177,17 +186,18 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> Result<Option<Answer>> {
-        if self.attempts.contains_key(ticket) || self.ticket_lease.contains_key(ticket) {
+        // (`attempts` holds only parked attempts: usually none, and then no hashing.)
+        let pending = !self.attempts.is_empty() && self.attempts.contains_key(ticket);
+        if pending || self.ticket_lease.contains_key(ticket) {
             return Err(Error::InvalidInput(format!(
                 "ticket {ticket:?} is already in use; every admit needs a new one"
             )));
         }
-        self.seen(client_id, now);
+        let holder = self.seen_holder(client_id, now);
         let attempt = self
             .core
             .begin(session_id, prompt_tokens, max_tokens, retain_session, now);
-        let mut answer =
-            self.drive_new(ticket, client_id, session_id, attempt, payload, now, probes);
+        let mut answer = self.drive_new(ticket, holder, session_id, attempt, payload, now, probes);
         self.settle(now, probes);
         if answer.is_none() {
             // Woken and ended by the settling of this same call: answer it now.
@@ -261,7 +271,7 @@ impl<T> EngineBook<T> {
     ) -> (usize, usize) {
         self.seen(client_id, now);
         let c = &self.clients[client_id];
-        let held = (c.leases, c.attempts.len());
+        let held = (c.holder.leases.load(Ordering::Relaxed), c.attempts.len());
         self.settle(now, probes);
         held
     }
@@ -385,19 +395,36 @@ impl<T> EngineBook<T> {
             c.last_seen = now;
             return;
         }
+        self.add_client(client_id, now);
+    }
+
+    /// [`Self::seen`], returning the client's holder (for the lease an admit may grant).
+    fn seen_holder(&mut self, client_id: &str, now: f64) -> Arc<Holder> {
+        if let Some(c) = self.clients.get_mut(client_id) {
+            c.last_seen = now;
+            return c.holder.clone();
+        }
+        self.add_client(client_id, now)
+    }
+
+    fn add_client(&mut self, client_id: &str, now: f64) -> Arc<Holder> {
         // Its silence is checked one TTL from now (a known client's deadline only moves
         // later while it calls, so the armed one is early enough).
         self.arm(now + self.lease_ttl_sec);
         let id: Arc<str> = client_id.into();
+        let holder = Arc::new(Holder {
+            id: id.clone(),
+            leases: AtomicUsize::new(0),
+        });
         self.clients.insert(
-            id.clone(),
+            id,
             Client {
-                id,
+                holder: holder.clone(),
                 last_seen: now,
                 attempts: HashSet::new(),
-                leases: 0,
             },
         );
+        holder
     }
 
     /// Drives a new attempt as far as it goes in its own call. Until it parks nothing but
@@ -407,13 +434,14 @@ impl<T> EngineBook<T> {
     fn drive_new(
         &mut self,
         ticket: &str,
-        client_id: &str,
+        holder: Arc<Holder>,
         session_id: &str,
         attempt: AttemptId,
         payload: T,
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> Option<Answer> {
+        let client_id = &*holder.id;
         match poll_until_decided(&mut self.core, attempt, session_id, &payload, now, probes) {
             Settled::Waits(until) => {
                 let order = self.park(ticket, until);
@@ -433,7 +461,7 @@ impl<T> EngineBook<T> {
                 None
             }
             Settled::Admitted(admission) => {
-                self.hold(admission.lease.0, ticket.into(), client_id);
+                self.hold(admission.lease.0, ticket.into(), holder);
                 Some(Answer::Admitted(admission))
             }
             Settled::Preempted => {
@@ -455,18 +483,23 @@ impl<T> EngineBook<T> {
     }
 
     /// Records a granted lease's holder.
-    fn hold(&mut self, lease: u64, ticket: Arc<str>, client_id: &str) {
-        let client = match self.clients.get_mut(client_id) {
-            Some(c) => {
-                c.leases += 1;
-                c.id.clone()
-            }
-            // Cannot happen: a new attempt's client was seen in its call, and a parked one is
-            // cancelled when its client expires.
-            None => client_id.into(),
-        };
+    fn hold(&mut self, lease: u64, ticket: Arc<str>, client: Arc<Holder>) {
+        client.leases.fetch_add(1, Ordering::Relaxed);
         self.ticket_lease.insert(ticket.clone(), lease);
         self.held.insert(lease, Held { client, ticket });
+    }
+
+    /// [`Self::hold`] for a parked attempt's client, looked up by id.
+    fn hold_for(&mut self, lease: u64, ticket: Arc<str>, client_id: &str) {
+        let client = match self.clients.get(client_id) {
+            Some(c) => c.holder.clone(),
+            // Cannot happen: a parked attempt is cancelled when its client expires.
+            None => Arc::new(Holder {
+                id: client_id.into(),
+                leases: AtomicUsize::new(0),
+            }),
+        };
+        self.hold(lease, ticket, client);
     }
 
     fn unpark(&mut self, ticket: &str) {
@@ -505,7 +538,7 @@ impl<T> EngineBook<T> {
             }
             Settled::Admitted(admission) => {
                 let p = self.forget(ticket);
-                self.hold(admission.lease.0, ticket.into(), &p.client);
+                self.hold_for(admission.lease.0, ticket.into(), &p.client);
                 Some((p.payload, Answer::Admitted(admission)))
             }
             // The core already counted it and forgot the attempt.
@@ -582,9 +615,12 @@ impl<T> EngineBook<T> {
     fn release_lease(&mut self, lease: u64, now: f64, dropped: bool) -> bool {
         if let Some(h) = self.held.remove(&lease) {
             self.ticket_lease.remove(&h.ticket);
-            if let Some(c) = self.clients.get_mut(&h.client) {
-                c.leases = c.leases.saturating_sub(1);
-            }
+            // Its client's count, through the lease (no lookup).
+            let leases = &h.client.leases;
+            leases.store(
+                leases.load(Ordering::Relaxed).saturating_sub(1),
+                Ordering::Relaxed,
+            );
         }
         if dropped {
             self.core.release_dropped(LeaseId(lease), now)
@@ -634,7 +670,7 @@ impl<T> EngineBook<T> {
             let leases: Vec<u64> = self
                 .held
                 .iter()
-                .filter(|(_, h)| h.client == client_id)
+                .filter(|(_, h)| h.client.id == client_id)
                 .map(|(&lease, _)| lease)
                 .collect();
             let mut sessions = HashSet::new();

@@ -2,8 +2,8 @@
 //! core (`session_gate/engine/gate_driver.py`), one native call per utility call.
 //!
 //! A skin over [`crate::gate::book::EngineBook`]: it checks the arguments (the messages the
-//! HTTP routes answer 400 with), reads the block pool's usage itself (two attribute reads, no
-//! Python frame), calls the engine's prefix probe (Python, with its own native walk) only when
+//! HTTP routes answer 400 with), reads the block pool's usage itself (one attribute of its
+//! free-block queue, no Python frame), calls the engine's prefix probe (Python, with its own native walk) only when
 //! the core asks for it, and answers deferred admits by resolving their
 //! `concurrent.futures.Future` (which vLLM sends back when it is done). Engine thread only.
 //!
@@ -80,7 +80,8 @@ struct Payload {
 /// pool cannot change during one engine-thread call), prefix through the engine's probe.
 struct Probes<'a, 'py> {
     py: Python<'py>,
-    pool: &'a Bound<'py, PyAny>,
+    /// The pool's `free_block_queue`.
+    free_queue: &'a Bound<'py, PyAny>,
     prefix: &'a Bound<'py, PyAny>,
     block_size: u64,
     /// `block_pool.num_gpu_blocks` (fixed for the pool's life), null block included.
@@ -98,8 +99,7 @@ impl Probes<'_, '_> {
         // vLLM's `BlockPool.get_num_free_blocks()` and `get_usage()` without their two Python
         // frames: the same attribute, the same float (the null block never counts).
         let num_free_blocks: u64 = self
-            .pool
-            .getattr(intern!(py, "free_block_queue"))?
+            .free_queue
             .getattr(intern!(py, "num_free_blocks"))?
             .extract()?;
         let num_blocks = self.num_gpu_blocks.saturating_sub(1);
@@ -191,8 +191,11 @@ impl BookProbes<Payload> for Probes<'_, '_> {
 #[pyclass(name = "EngineGateBook", module = "session_gate._native")]
 pub(crate) struct PyEngineGateBook {
     book: EngineBook<Payload>,
-    /// vLLM's `BlockPool` (usage is read from it).
-    pool: Py<PyAny>,
+    /// vLLM's `BlockPool` (kept alive with its queue).
+    _pool: Py<PyAny>,
+    /// Its `free_block_queue`, read once: usage is its `num_free_blocks` (vLLM makes the queue
+    /// with the pool and never replaces it; one attribute read less per call, on cold caches).
+    free_queue: Py<PyAny>,
     /// `prefix(session_id, token_ids) -> dict`: the engine's prefix probe (`session_gate_probe`).
     prefix: Py<PyAny>,
     /// `arm(at)`: asks the timer thread to wake the engine at `at` (the core's clock).
@@ -295,8 +298,14 @@ fn reason_strs(py: Python<'_>) -> PyResult<ReasonStrs> {
     for key in ADMITTED_KEYS {
         admitted.set_item(PyString::intern(py, key), py.None())?;
     }
-    // The one value every admission's answer shares.
+    // The one value every admission's answer shares, and the values most have (an open
+    // admit answered in its call): `admission_dict` sets only the others.
     admitted.set_item(intern!(py, "status"), intern!(py, "admitted"))?;
+    admitted.set_item(intern!(py, "wait_sec"), 0.0)?;
+    admitted.set_item(intern!(py, "retain_session"), true)?;
+    admitted.set_item(intern!(py, "reserved"), true)?;
+    admitted.set_item(intern!(py, "revoked"), false)?;
+    admitted.set_item(intern!(py, "num_preempted"), 0)?;
     Ok(ReasonStrs {
         reasons: Reason::ALL.map(|r| PyString::intern(py, r.as_str()).unbind()),
         admitted: admitted.unbind(),
@@ -316,22 +325,43 @@ fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
         .iter()
         .position(|r| *r == a.reason)
         .expect("Reason::ALL lists every reason");
-    // Every key is there already (and `status`'s value): each item below replaces a value,
-    // nothing grows.
+    // Every key is there already, with `status`'s value and the common ones (see
+    // `reason_strs`): each item below replaces a value, nothing grows, and a value the
+    // template already has is not set again (on the engine thread every item is a few cache
+    // lines missed).
     let d = reasons.admitted.bind(py).copy()?;
     d.set_item(intern!(py, "lease"), a.lease.0)?;
     d.set_item(intern!(py, "ticket"), ticket)?;
     d.set_item(intern!(py, "session_id"), session_id)?;
     d.set_item(intern!(py, "reason"), reasons.reasons[reason].bind(py))?;
-    d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
-    d.set_item(intern!(py, "usage"), a.usage)?;
-    d.set_item(intern!(py, "pressure"), a.pressure)?;
-    d.set_item(intern!(py, "hit_ratio"), a.hit_ratio)?;
-    d.set_item(intern!(py, "retain_session"), a.retain_session)?;
-    d.set_item(intern!(py, "reserved"), a.reserved)?;
-    d.set_item(intern!(py, "revoked"), a.revoked)?;
-    d.set_item(intern!(py, "working_set_blocks"), a.working_set_blocks)?;
-    d.set_item(intern!(py, "num_preempted"), a.num_preempted)?;
+    // `!=` also sets -0.0 and NaN as they are.
+    if a.wait_sec != 0.0 || a.wait_sec.is_sign_negative() {
+        d.set_item(intern!(py, "wait_sec"), a.wait_sec)?;
+    }
+    for (key, value) in [
+        (intern!(py, "usage"), a.usage),
+        (intern!(py, "pressure"), a.pressure),
+        (intern!(py, "hit_ratio"), a.hit_ratio),
+    ] {
+        if value.is_some() {
+            d.set_item(key, value)?;
+        }
+    }
+    if !a.retain_session {
+        d.set_item(intern!(py, "retain_session"), false)?;
+    }
+    if !a.reserved {
+        d.set_item(intern!(py, "reserved"), false)?;
+    }
+    if a.revoked {
+        d.set_item(intern!(py, "revoked"), true)?;
+    }
+    if a.working_set_blocks.is_some() {
+        d.set_item(intern!(py, "working_set_blocks"), a.working_set_blocks)?;
+    }
+    if a.num_preempted != 0 {
+        d.set_item(intern!(py, "num_preempted"), a.num_preempted)?;
+    }
     Ok(d)
 }
 
@@ -381,12 +411,11 @@ impl PyEngineGateBook {
         py: Python<'py>,
         f: impl FnOnce(&mut EngineBook<Payload>, &mut Probes<'_, 'py>) -> PyResult<R>,
     ) -> PyResult<R> {
-        let pool = self.pool.bind(py).clone();
-        let prefix = self.prefix.bind(py).clone();
+        // Borrowed, not cloned: no reference count written on either object.
         let mut probes = Probes {
             py,
-            pool: &pool,
-            prefix: &prefix,
+            free_queue: self.free_queue.bind(py),
+            prefix: self.prefix.bind(py),
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             usage: None,
@@ -403,9 +432,11 @@ impl PyEngineGateBook {
         out
     }
 
-    /// Monotonic seconds on `time.monotonic()`'s scale.
-    fn now(&self) -> f64 {
-        self.clock.1 + self.clock.0.elapsed().as_secs_f64()
+    /// `at` (this call's one clock read, taken on entry) in monotonic seconds on
+    /// `time.monotonic()`'s scale: the call reads the clock once more, at its end, for its
+    /// own time.
+    fn now(&self, at: Instant) -> f64 {
+        self.clock.1 + at.saturating_duration_since(self.clock.0).as_secs_f64()
     }
 
     /// The admit of [`Self::admit`], its arguments unpacked.
@@ -453,7 +484,7 @@ impl PyEngineGateBook {
             future: None,
         };
         self.start_parts(started);
-        let now = self.now();
+        let now = self.now(started);
         let answer = self.with_book(py, |book, probes| {
             book.admit(
                 ticket,
@@ -552,15 +583,15 @@ impl PyEngineGateBook {
     ) -> PyResult<Self> {
         no_panic("EngineGateBook()", || {
             let core = GateCore::new(config.inner().clone())?;
-            let num_gpu_blocks: u64 = block_pool
-                .bind(py)
-                .getattr(intern!(py, "num_gpu_blocks"))?
-                .extract()?;
+            let pool = block_pool.bind(py);
+            let num_gpu_blocks: u64 = pool.getattr(intern!(py, "num_gpu_blocks"))?.extract()?;
+            let free_queue = pool.getattr(intern!(py, "free_block_queue"))?.unbind();
             let monotonic = py.import("time")?.getattr("monotonic")?;
             let clock = (Instant::now(), monotonic.call0()?.extract::<f64>()?);
             Ok(Self {
                 book: EngineBook::new(core, lease_ttl_sec)?,
-                pool: block_pool,
+                _pool: block_pool,
+                free_queue,
                 prefix,
                 arm,
                 future_cls,
@@ -643,7 +674,7 @@ impl PyEngineGateBook {
             };
             let client_id = optional_id("client_id", client_id.as_deref())?;
             self.start_parts(started);
-            let now = self.now();
+            let now = self.now(started);
             let released = self.with_book(py, |book, probes| {
                 Ok(book.release(lease, client_id, now, probes))
             })?;
