@@ -73,6 +73,20 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="vllm.v1.core.block_pool.BlockPool.free_block_queue.num_free_blocks, "
+        ".num_gpu_blocks",
+        how="read only: the engine gate's book takes the pool's free_block_queue once when it "
+        "is built and reads its num_free_blocks on every admit (get_usage()'s own arithmetic)",
+        why="get_usage() is two Python frames per admit inside the engine loop; the queue is "
+        "made in BlockPool.__init__ and never replaced (0.31-0.33), so holding it is exact",
+        removable_when="BlockPool.get_usage() is cheap enough to call from the engine gate",
+        checks=(
+            "vllm.v1.core.block_pool:BlockPool#free_block_queue",
+            "vllm.v1.core.block_pool:BlockPool#num_gpu_blocks",
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue#num_free_blocks",
+        ),
+    ),
+    Patch(
         symbol="vllm.v1.core.kv_cache_utils.NONE_HASH",
         how="read once on the first probe (after EngineCore.__init__ ran init_none_hash)",
         why="the first block's parent hash; random per process for xxhash without PYTHONHASHSEED",
