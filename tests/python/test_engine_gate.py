@@ -309,7 +309,8 @@ async def test_a_request_without_a_bound_lease_releases_nothing(engine, gate):
         assert e1[key] == e0[key], key
 
 
-def test_bind_puts_the_lease_in_a_new_extra_args_dict_of_one_engine_request():
+async def test_bind_puts_the_lease_in_a_new_extra_args_dict_of_one_engine_request():
+    # (async only because the module marks every test asyncio; it awaits nothing)
     from session_gate.engine.gate_binding import bind
 
     theirs = {"other": 1}
