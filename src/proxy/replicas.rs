@@ -4,6 +4,12 @@
 //! it first went to (its prefix is cached there) until that replica fails health checks; a new
 //! (or re-routed) session goes to the healthy replica with the most headroom: the lowest of
 //! max(last vLLM usage, committed blocks ÷ total blocks), fewest active leases on ties.
+//!
+//! Unhealthy has two grades. A replica that could not be connected to (by a request or a health
+//! check) is *unreachable*: never routed to until a health check passes. One that only missed a
+//! health check (a busy CPU engine can take longer than the check's two seconds to answer
+//! `/health`) is still used when no replica is healthy: refusing every request with 503 because
+//! the one replica was slow to say it is alive would stop serving for nothing.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -30,6 +36,8 @@ pub struct Replica {
     /// answer, and told about releases).
     pub probe: Arc<CachedProbe>,
     healthy: AtomicBool,
+    /// False from a failed connection until the next passing health check.
+    reachable: AtomicBool,
 }
 
 impl Replica {
@@ -38,10 +46,27 @@ impl Replica {
         self.healthy.load(Ordering::Relaxed)
     }
 
-    /// Marks the replica unhealthy at once (a connection to it just failed); the next health
-    /// check that passes marks it healthy again.
+    /// Marks the replica unhealthy and unreachable at once (a connection to it just failed);
+    /// the next health check that passes marks it healthy again.
     pub fn mark_unhealthy(&self, why: &str) {
+        self.reachable.store(false, Ordering::Relaxed);
         self.set_healthy(false, why);
+    }
+
+    /// Whether it may take requests when no replica is healthy: it failed no connection since
+    /// its last passing health check (see the module docs).
+    fn is_reachable(&self) -> bool {
+        self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// Records a health check's outcome.
+    fn checked(&self, health: Health) {
+        match health {
+            Health::Ok => self.reachable.store(true, Ordering::Relaxed),
+            Health::Unreachable => self.reachable.store(false, Ordering::Relaxed),
+            Health::Failed => {}
+        }
+        self.set_healthy(health == Health::Ok, "health check");
     }
 
     /// Records a health change, saying why; a replica that went away or came back also loses
@@ -119,6 +144,7 @@ impl Replicas {
                 gate,
                 probe,
                 healthy: AtomicBool::new(true),
+                reachable: AtomicBool::new(true),
             }));
         }
         Ok(Self {
@@ -128,17 +154,22 @@ impl Replicas {
         })
     }
 
-    /// The healthy replica with the least pressure; on a tie, the one with the fewest sessions
-    /// pinned to it. Pins, not leases: a burst of new sessions is placed before any of them is
-    /// admitted (pressure and leases are still equal), and must not all land on the first one.
-    fn best(&self, sessions: &HashMap<String, Sticky>) -> Option<usize> {
+    /// Of the replicas `usable` accepts, the one with the least pressure; on a tie, the one
+    /// with the fewest sessions pinned to it. Pins, not leases: a burst of new sessions is
+    /// placed before any of them is admitted (pressure and leases are still equal), and must
+    /// not all land on the first one.
+    fn best(
+        &self,
+        sessions: &HashMap<String, Sticky>,
+        usable: fn(&Replica) -> bool,
+    ) -> Option<usize> {
         let mut pinned = vec![0usize; self.list.len()];
         for s in sessions.values() {
             pinned[s.replica] += 1;
         }
         let mut best: Option<(usize, f64, usize)> = None;
         for (i, r) in self.list.iter().enumerate() {
-            if !r.is_healthy() {
+            if !usable(r) {
                 continue;
             }
             let p = r.pressure();
@@ -149,14 +180,22 @@ impl Replicas {
         best.map(|(i, ..)| i)
     }
 
-    /// The replica for this session's next turn (sticky), or `None` when none is healthy.
+    /// The replica for this session's next turn (sticky), or `None` when none is healthy or
+    /// reachable (a pinned replica that only missed a health check keeps its session while no
+    /// other is healthy: its prefix is cached there).
     pub fn route_session(&self, session_id: &str) -> Option<Route> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         let pinned = sessions.get(session_id).map(|s| s.replica);
         let home = match pinned {
             Some(r) if self.list[r].is_healthy() => r,
-            _ => self.best(&sessions)?,
+            _ => match self.best(&sessions, Replica::is_healthy) {
+                Some(r) => r,
+                None => match pinned {
+                    Some(r) if self.list[r].is_reachable() => r,
+                    _ => self.best(&sessions, Replica::is_reachable)?,
+                },
+            },
         };
         let sticky = sessions.entry(session_id.to_string()).or_insert(Sticky {
             replica: home,
@@ -185,13 +224,15 @@ impl Replicas {
         sessions.remove(session_id).map(|s| s.replica)
     }
 
-    /// A healthy replica for an ungated request (round robin).
+    /// A healthy replica for an ungated request (round robin); with none healthy, a reachable
+    /// one.
     pub fn route_ungated(&self) -> Option<Route> {
         let n = self.list.len();
         let start = self.next_ungated.fetch_add(1, Ordering::Relaxed);
-        (0..n)
-            .map(|k| (start + k) % n)
+        let order = || (0..n).map(|k| (start + k) % n);
+        order()
             .find(|&i| self.list[i].is_healthy())
+            .or_else(|| order().find(|&i| self.list[i].is_reachable()))
             .map(|index| Route {
                 index,
                 turn: 0,
@@ -215,26 +256,39 @@ impl Replicas {
     }
 }
 
+/// A health check's outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// `GET /health` answered 200 within two seconds.
+    Ok,
+    /// Connected, but no 200 in time (slow, or an error status).
+    Failed,
+    /// No connection could be opened.
+    Unreachable,
+}
+
 /// One health check: `GET /health` answered 200 within two seconds.
-pub async fn check(client: &Client, replica: &Replica) -> bool {
+pub async fn check(client: &Client, replica: &Replica) -> Health {
     let request = Request::builder()
         .method(Method::GET)
         .uri(format!("{}/health", replica.url.base))
         .header(hyper::header::HOST, &replica.url.authority)
         .body(Full::new(Bytes::new()));
-    let Ok(request) = request else { return false };
-    matches!(
-        tokio::time::timeout(Duration::from_secs(2), client.request(request)).await,
-        Ok(Ok(r)) if r.status().is_success()
-    )
+    let Ok(request) = request else {
+        return Health::Unreachable;
+    };
+    match tokio::time::timeout(Duration::from_secs(2), client.request(request)).await {
+        Ok(Ok(r)) if r.status().is_success() => Health::Ok,
+        Ok(Err(e)) if e.is_connect() => Health::Unreachable,
+        _ => Health::Failed,
+    }
 }
 
 /// Checks every replica every `interval` and expires long-idle session pins, forever.
 pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Duration) {
     loop {
         for r in &replicas.list {
-            let ok = check(&client, r).await;
-            r.set_healthy(ok, "health check");
+            r.checked(check(&client, r).await);
         }
         replicas.expire_sessions(Duration::from_secs(3600));
         tokio::time::sleep(interval).await;
@@ -284,6 +338,34 @@ mod tests {
         assert_ne!(next.index, first.index);
         assert_eq!(next.turn, 2);
         r.list[next.index].mark_unhealthy("test");
-        assert!(r.route_session("a").is_none(), "no healthy replica left");
+        assert!(r.route_session("a").is_none(), "no reachable replica left");
+        assert!(r.route_ungated().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_replica_that_only_missed_a_health_check_serves_while_none_is_healthy() {
+        let r = replicas(2);
+        let home = r.route_session("a").unwrap().index;
+        let other = 1 - home;
+        // Both miss a health check (busy, not gone): the session stays home, new work still
+        // goes somewhere.
+        r.list[home].checked(Health::Failed);
+        r.list[other].checked(Health::Failed);
+        let again = r.route_session("a").unwrap();
+        assert_eq!((again.index, again.moved_from), (home, None));
+        assert!(r.route_session("b").is_some());
+        assert!(r.route_ungated().is_some());
+        // A healthy replica is still preferred to a merely reachable one.
+        r.list[other].checked(Health::Ok);
+        let moved = r.route_session("a").unwrap();
+        assert_eq!((moved.index, moved.moved_from), (other, Some(home)));
+        // A failed connection (or a check that could not connect) rules a replica out.
+        r.list[other].mark_unhealthy("test");
+        r.list[home].checked(Health::Unreachable);
+        assert!(r.route_session("a").is_none());
+        assert!(r.route_ungated().is_none());
+        // Until a health check passes.
+        r.list[home].checked(Health::Ok);
+        assert_eq!(r.route_session("a").unwrap().index, home);
     }
 }
