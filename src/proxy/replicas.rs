@@ -25,6 +25,10 @@ use super::upstream::Client;
 use super::usage_cache::CachedProbe;
 use crate::gate::Gate;
 
+/// Which replicas may take a request, best first: the healthy ones, else the reachable ones
+/// (module docs).
+const USABLE: [fn(&Replica) -> bool; 2] = [Replica::is_healthy, Replica::is_reachable];
+
 /// One `vllm serve` replica.
 #[derive(Debug)]
 pub struct Replica {
@@ -187,16 +191,10 @@ impl Replicas {
         let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         let pinned = sessions.get(session_id).map(|s| s.replica);
-        let home = match pinned {
-            Some(r) if self.list[r].is_healthy() => r,
-            _ => match self.best(&sessions, Replica::is_healthy) {
-                Some(r) => r,
-                None => match pinned {
-                    Some(r) if self.list[r].is_reachable() => r,
-                    _ => self.best(&sessions, Replica::is_reachable)?,
-                },
-            },
-        };
+        let home = USABLE.into_iter().find_map(|usable| match pinned {
+            Some(r) if usable(&self.list[r]) => Some(r),
+            _ => self.best(&sessions, usable),
+        })?;
         let sticky = sessions.entry(session_id.to_string()).or_insert(Sticky {
             replica: home,
             turns: 0,
@@ -229,10 +227,13 @@ impl Replicas {
     pub fn route_ungated(&self) -> Option<Route> {
         let n = self.list.len();
         let start = self.next_ungated.fetch_add(1, Ordering::Relaxed);
-        let order = || (0..n).map(|k| (start + k) % n);
-        order()
-            .find(|&i| self.list[i].is_healthy())
-            .or_else(|| order().find(|&i| self.list[i].is_reachable()))
+        USABLE
+            .into_iter()
+            .find_map(|usable| {
+                (0..n)
+                    .map(|k| (start + k) % n)
+                    .find(|&i| usable(&self.list[i]))
+            })
             .map(|index| Route {
                 index,
                 turn: 0,
