@@ -191,8 +191,6 @@ impl BookProbes<Payload> for Probes<'_, '_> {
 #[pyclass(name = "EngineGateBook", module = "session_gate._native")]
 pub(crate) struct PyEngineGateBook {
     book: EngineBook<Payload>,
-    /// vLLM's `BlockPool` (kept alive with its queue).
-    _pool: Py<PyAny>,
     /// Its `free_block_queue`, read once: usage is its `num_free_blocks` (vLLM makes the queue
     /// with the pool and never replaces it; one attribute read less per call, on cold caches).
     free_queue: Py<PyAny>,
@@ -590,7 +588,6 @@ impl PyEngineGateBook {
             let clock = (Instant::now(), monotonic.call0()?.extract::<f64>()?);
             Ok(Self {
                 book: EngineBook::new(core, lease_ttl_sec)?,
-                _pool: block_pool,
                 free_queue,
                 prefix,
                 arm,
