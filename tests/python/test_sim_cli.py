@@ -22,7 +22,7 @@ BENCH_KEYS = set(ModeResult("m", "w", 1.0).summary())
 
 
 def test_the_cli_prints_simulated_tables_and_writes_the_bench_schema(tmp_path):
-    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    out, plot, records = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "turns.jsonl"
     proc = subprocess.run(
         [
             sys.executable,
@@ -38,6 +38,8 @@ def test_the_cli_prints_simulated_tables_and_writes_the_bench_schema(tmp_path):
             str(out),
             "--plot",
             str(plot),
+            "--records",
+            str(records),
         ],
         capture_output=True,
         text=True,
@@ -62,6 +64,14 @@ def test_the_cli_prints_simulated_tables_and_writes_the_bench_schema(tmp_path):
     assert sum(gate["admissions_by_reason"].values()) == 28
     assert "none" not in gate["admissions_by_reason"]
     assert plot.stat().st_size > 10_000
+    # --records: every turn of every mode, adding up to each mode's summary.
+    turns = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(turns) == 4 * 28
+    for s in summaries:
+        mine = [t for t in turns if t["mode"] == s["mode"]]
+        assert {t["engine"] for t in mine} == {"twin:cpu-tiny"} and len(mine) == 28
+        assert sum(t["prompt_tokens"] - t["cached_tokens"] for t in mine) == s["prefill_tokens"]
+        assert len({(t["session_id"], t["turn"]) for t in mine}) == 28
 
 
 def test_bad_arguments_are_refused_with_a_reason(capsys):

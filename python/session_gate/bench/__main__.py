@@ -46,6 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results.json")
     p.add_argument("--plot", default="bench-results.png")
+    p.add_argument(
+        "--records",
+        default=None,
+        metavar="FILE",
+        help="also write every turn of every mode as JSON lines (the twin's --records format)",
+    )
     args = p.parse_args(argv)
     try:
         args.mode_list = [Mode.parse(m.strip()) for m in args.modes.split(",") if m.strip()]
@@ -68,7 +74,8 @@ def _engine_for(workload: Workload) -> Any:
     )
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def run(args: argparse.Namespace, results: list[Any] | None = None) -> dict[str, Any]:
+    """Every workload in every mode; each mode's ``ModeResult`` is appended to ``results``."""
     from tqdm import tqdm
 
     from session_gate import EngineProbe
@@ -94,6 +101,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     bar.set_postfix_str(mode.name)
                     result = await run_mode(llm, workload, mode, probe, bar)
                     summaries.append(result.summary())
+                    if results is not None:
+                        results.append(result)
             by_workload[workload.name] = summaries
             print("\n" + report.table(summaries))
             print("\n" + report.turn_latency_table(summaries) + "\n", flush=True)
@@ -109,7 +118,10 @@ def _too_short(llm: Any, workload: Workload) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    by_workload = asyncio.run(run(args))
+    results: list[Any] = []
+    by_workload = asyncio.run(run(args, results))
+    if args.records:
+        report.write_records(args.records, results)
     targets = report.targets(by_workload)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, CPU vLLM (tiny dummy Llama)"
     results = {"machine": machine, "seed": args.seed, "workloads": by_workload, "targets": targets}
@@ -117,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         json.dump(results, f, indent=2)
     report.plot(by_workload, args.plot)
     print(f"targets: {json.dumps(targets, indent=2)}")
-    print(f"wrote {args.out} and {args.plot} ({machine})")
+    also = f" and {args.records}" if args.records else ""
+    print(f"wrote {args.out}, {args.plot}{also} ({machine})")
     figures = report.figures(by_workload)
     print(json.dumps({"figures": figures, "targets": targets}, sort_keys=True))
 

@@ -4,6 +4,8 @@ whose tables and plots always say "simulated"."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 COLUMNS = (
@@ -28,6 +30,18 @@ HEADERS = (
     "revoke",
     "preempt",
 )
+
+
+def write_records(path: str, results: list[Any]) -> None:
+    """``--records``: every turn of every run (``runner.ModeResult``s), one JSON object a line
+    with its workload, mode and engine. The real bench and the twin write the same format, so a
+    real run and its twin compare turn by turn (where each session waited and what it
+    re-prefilled), not only in their totals."""
+    with open(path, "w") as f:
+        for result in results:
+            head = {"workload": result.workload, "mode": result.mode, "engine": result.engine}
+            for record in result.records:
+                f.write(json.dumps({**head, **dataclasses.asdict(record)}) + "\n")
 
 
 def is_simulated(summary: dict[str, Any]) -> bool:

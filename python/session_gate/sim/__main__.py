@@ -24,6 +24,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="sim-results.json")
     p.add_argument("--plot", default="sim-results.png")
     p.add_argument(
+        "--records",
+        default=None,
+        metavar="FILE",
+        help="also write every turn of every run as JSON lines (the real bench format)",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -45,8 +51,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """Every (workload, profile, mode) run, ``args.jobs`` at a time; tables in input order."""
+def run(
+    args: argparse.Namespace, results: list[Any] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Every (workload, profile, mode) run, ``args.jobs`` at a time; tables in input order.
+    Each run's ``ModeResult`` is appended to ``results``."""
     by_workload: dict[str, list[dict[str, Any]]] = {}
     shape = cli.shape_of(args)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -64,7 +73,10 @@ def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         ]
         for workload, profile, futures in groups:
             key = f"{workload.name} @ {profile_label(profile)}"
-            summaries = [f.result().summary() for f in futures]
+            done = [f.result() for f in futures]
+            if results is not None:
+                results += done
+            summaries = [r.summary() for r in done]
             by_workload[key] = summaries
             print(f"{workload.describe()}; profile {profile} (SIMULATED)")
             print("\n" + report.table(summaries))
@@ -80,7 +92,10 @@ def main(argv: list[str] | None = None) -> None:
         tune.main(argv[1:])
         return
     args = parse_args(argv)
-    by_workload = run(args)
+    runs: list[Any] = []
+    by_workload = run(args, runs)
+    if args.records:
+        report.write_records(args.records, runs)
     targets = report.targets(by_workload)
     results = {
         "engine": "twin (SIMULATED)",
@@ -93,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     report.plot(by_workload, args.plot)
-    print(f"wrote {args.out} and {args.plot} (SIMULATED)")
+    also = f" and {args.records}" if args.records else ""
+    print(f"wrote {args.out}, {args.plot}{also} (SIMULATED)")
     figures = report.figures(by_workload)
     print(json.dumps({"simulated": True, "figures": figures, "targets": targets}))
 
