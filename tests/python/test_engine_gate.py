@@ -8,6 +8,7 @@ timers must fire while the engine is idle (blocked on its input queue) and while
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 
@@ -95,9 +96,16 @@ async def test_idle_grace_expiry_admits_a_waiter_while_the_engine_is_idle(gate):
     assert not await gate.finish_session("grace")  # expired already
 
 
+async def keep_busy(engine, token_ids: list[int], max_tokens: int) -> None:
+    """Generates back to back until cancelled, so the engine steps throughout however fast this
+    machine runs (one 1,900-token generation took under 4 s in a fast phase of the CI VM)."""
+    while True:
+        await generate(engine, token_ids, max_tokens)
+
+
 async def test_max_wait_fires_while_the_engine_is_busy(engine, gate):
     hog = await gate.acquire("hog", prompt(4, 1500), 16)  # 48 blocks
-    busy = asyncio.ensure_future(generate(engine, prompt(5, 10), 1900))
+    busy = asyncio.ensure_future(keep_busy(engine, prompt(5, 10), 1900))
     await asyncio.sleep(0.5)
     started = time.monotonic()
     lease = await gate.acquire("cold-2", prompt(6, 500), 16)  # 17 blocks: 65 > 53.55
@@ -105,6 +113,8 @@ async def test_max_wait_fires_while_the_engine_is_busy(engine, gate):
     assert lease.reason == "max_wait" and 2.5 <= waited < 4.5, waited
     assert not busy.done(), "the engine was meant to be busy stepping throughout"
     busy.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await busy
     await lease.arelease()
     await hog.arelease()
     for s in ("hog", "cold-2"):
