@@ -311,30 +311,36 @@ async def test_the_engine_keeps_serving_after_bad_input(url):
 
 
 STREAM_TOKENS = 2500
+MID_STREAM_SAMPLES = 10
 
 
 async def leaves_mid_stream(
     url: str, via: str, headers: dict[str, str], prompt: list[int], full_sec: float
 ) -> float:
-    """Streams a long completion from ``via``, reads its first chunk, checks the engine gate of
-    ``url`` holds its lease, then closes the connection while vLLM is still generating; returns
-    how long the engine gate took to see the lease released.
+    """Streams a long completion from ``via``, waits for the response's head, checks the engine
+    gate of ``url`` holds the stream's lease, then closes the connection while vLLM is still
+    generating; returns how long the engine gate took to see the lease released.
 
-    What proves the release came from the disconnect is vLLM's own count of generated tokens:
-    fewer than the stream's ``STREAM_TOKENS`` (the generation was cut), not a wall-clock bound.
-    The mid-stream question is conclusive only if it was answered before half of the whole
-    stream's time (``full_sec``) had passed since the stream was asked for: on a starved 2-core
-    machine this test process's event loop has stalled for 6 s at a stream's start (vLLM's CPU
-    worker spins on one core; the API server, engine core and this process share the other),
-    by which time the stream may have ended and its lease gone rightly. Such a sample is
-    retried (3 in all), never counted as a pass. The engine gate is asked through one client
-    built before the stream starts (building an ``httpx`` client while the engine saturates
-    the cores took up to 8 s); each question opens a new connection (a kept-alive one can be
-    closed by the server's keep-alive timeout while the stream starts)."""
+    What proves the release came from the disconnect is vLLM's own count of generated tokens
+    once it runs no request: fewer than the stream's ``STREAM_TOKENS`` (the generation was cut),
+    not a wall-clock bound. A sample can be void through no fault of the code under test, and is
+    then retried (``MID_STREAM_SAMPLES`` in all), never counted as a pass:
+    - the lease was gone when a question answered after half the whole stream's time
+      (``full_sec``) came back: the stream may have ended and its lease gone rightly;
+    - the lease was held, but vLLM generated the whole stream although the client left.
+    Both happen because vLLM's API server can send nothing for a whole generation on this 2-core
+    VM: on 4 Dec 2026, with no session header (nothing of session-gate in the path) and ``curl``
+    as the client, 3 of 6 streams got their response head only when the 3.3 s generation ended;
+    a disconnect in such a stretch reaches the engine after the last token. A broken release or
+    a stream the proxy never cuts fails every sample. The engine gate is asked through one
+    client built before the stream starts (building an ``httpx`` client while the engine
+    saturates the cores took up to 8 s); each question opens a new connection (a kept-alive one
+    can be closed by the server's keep-alive timeout while the stream starts)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True,
             "stream": True}  # fmt: skip
     fresh = httpx.Limits(max_keepalive_connections=0)
     seen: list[dict] = []
+    void: list[str] = []
     async with (
         httpx.AsyncClient(timeout=60, limits=fresh) as gate,
         httpx.AsyncClient(timeout=60) as http,
@@ -346,45 +352,43 @@ async def leaves_mid_stream(
             seen.append(r.json())
             return seen[-1]["leases_active"]
 
-        async def generated() -> float:
-            r = await gate.get(f"{url}/metrics")
-            return metric(r.text, "vllm:generation_tokens_total")
+        async def generated_when_idle() -> float:
+            """vLLM's generated-token count once it runs no request (a cut stream is over)."""
+            deadline = time.monotonic() + 60.0
+            while True:
+                r = await gate.get(f"{url}/metrics")
+                assert r.status_code == 200, r.text
+                if metric(r.text, "vllm:num_requests_running") == 0:
+                    return metric(r.text, "vllm:generation_tokens_total")
+                assert time.monotonic() < deadline, "vLLM kept running a request for 60 s"
+                await asyncio.sleep(0.05)
 
-        for _ in range(3):
+        for _ in range(MID_STREAM_SAMPLES):
             assert await leases_active() == 0
-            tokens_before = await generated()
+            tokens_before = await generated_when_idle()
             sent = time.monotonic()
             async with http.stream(
                 "POST", f"{via}/v1/completions", json=body, headers=headers
             ) as response:
                 assert response.status_code == 200, await response.aread()
-                # The line iterator stays referenced until the question is answered: an async
-                # generator dropped after `break` is closed by asyncio in a task of its own,
-                # and httpcore closes the connection then (the client "leaves" early, racing
-                # the question; this was the proxied variant's rare "early release").
-                lines = response.aiter_lines()
-                async for line in lines:
-                    if line.startswith("data:"):
-                        break
                 held = await leases_active()
-                del lines
                 answered_after = time.monotonic() - sent
                 left = time.monotonic()
-            if held == 1 or answered_after < full_sec / 2:
-                break
-            await eventually(lambda: stats(url)["leases_active"] == 0, 60.0, "the lease's end")
-        else:
-            pytest.fail(f"three mid-stream questions each took over {full_sec / 2:.1f} s")
-        # Mid-stream, answered in time: held. On failure, what the engine gate counted between
-        # the question before the stream and the one during it says who ended the lease.
-        assert held == 1, (via, answered_after, [_lease_counters(s) for s in seen[-2:]])
-        while await leases_active() != 0:
-            assert time.monotonic() - left < 30.0, "the lease was never released"
-            await asyncio.sleep(0.05)
-        released_after = time.monotonic() - left
-        cut = await generated() - tokens_before
-        assert cut < STREAM_TOKENS, f"vLLM generated all {cut:.0f} tokens: the stream was not cut"
-        return released_after
+            if held == 0 and answered_after >= full_sec / 2:
+                void.append(f"lease gone at a question answered after {answered_after:.1f} s")
+                continue
+            # Held mid-stream. On failure, what the engine gate counted between the question
+            # before the stream and the one during it says who ended the lease.
+            assert held == 1, (via, answered_after, [_lease_counters(s) for s in seen[-2:]])
+            while await leases_active() != 0:
+                assert time.monotonic() - left < 30.0, "the lease was never released"
+                await asyncio.sleep(0.05)
+            released_after = time.monotonic() - left
+            cut = await generated_when_idle() - tokens_before
+            if cut < STREAM_TOKENS:
+                return released_after
+            void.append(f"held at {answered_after:.2f} s, then all {cut:.0f} tokens generated")
+        pytest.fail(f"no sample of {MID_STREAM_SAMPLES} showed a cut stream via {via}: {void}")
 
 
 def _lease_counters(answer: dict) -> dict:
