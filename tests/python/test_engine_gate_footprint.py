@@ -10,12 +10,12 @@ less per call in the engine loop): these tests take and return blocks through vL
 from __future__ import annotations
 
 import itertools
-from concurrent.futures import Future
 
 import pytest
 from session_gate import _native
 from session_gate.engine import bench_gate_footprint
-from session_gate.engine.inprocess import make_kv_cache_manager
+from session_gate.engine.gate_driver import native_book
+from session_gate.engine.inprocess import engine_state, make_kv_cache_manager
 
 _ids = itertools.count()
 
@@ -26,11 +26,10 @@ def no_walk(session_id, token_ids):
 
 @pytest.fixture
 def pool_and_book():
-    pool = make_kv_cache_manager(101, 16).block_pool  # 100 usable blocks
-    book = _native.EngineGateBook(
-        _native.GateConfig(), 30.0, pool, 16, 4096, 1600, no_walk, lambda at: None, Future
-    )
-    return pool, book
+    kvm = make_kv_cache_manager(101, 16)  # 100 usable blocks
+    state = engine_state(kvm, vocab_size=4096, max_model_len=1600)
+    book = native_book(_native, _native.GateConfig(), 30.0, state, no_walk, lambda at: None)
+    return kvm.block_pool, book
 
 
 def admit_usage(book, pool) -> float:

@@ -33,7 +33,6 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 MODES = ("none", "walk", "torch", "python", "all")
@@ -88,6 +87,7 @@ def _thrashers() -> dict[str, Callable[[], None]]:
 def _book(num_blocks: int, block_size: int) -> tuple[Any, Any]:
     """The engine's own ``EngineGateBook`` over a real ``BlockPool``, as ``gate_driver`` builds
     it (default knobs), and the engine state whose usage probe is the baseline."""
+    from session_gate.engine.gate_driver import native_book
     from session_gate.engine.inprocess import engine_state, make_kv_cache_manager
     from session_gate.engine.methods import _load_native
 
@@ -100,17 +100,7 @@ def _book(num_blocks: int, block_size: int) -> tuple[Any, Any]:
     def no_walk(session_id: str, token_ids: Any) -> dict[str, Any]:
         raise AssertionError("an open gate never walks the prefix")
 
-    book = native.EngineGateBook(
-        native.GateConfig(),
-        30.0,
-        state.block_pool,
-        state.block_size,
-        state.vocab_size,
-        state.max_model_len,
-        no_walk,
-        lambda at: None,
-        Future,
-    )
+    book = native_book(native, native.GateConfig(), 30.0, state, no_walk, lambda at: None)
     return book, state
 
 

@@ -102,6 +102,27 @@ class _Timer(threading.Thread):
                 logger.exception("session_gate: engine gate timer could not wake the engine")
 
 
+def native_book(
+    native: Any, config: Any, lease_ttl_sec: float, state: Any, walk: Any, arm: Any
+) -> Any:
+    """The native ``EngineGateBook`` over ``state``'s block pool (``state`` has the engine
+    half's ``block_pool``, ``block_size``, ``vocab_size`` and ``max_model_len``): ``walk`` is
+    the prefix probe ``walk(session_id, token_ids)`` it calls under pressure, ``arm(at)`` the
+    timer it asks to wake the engine at monotonic time ``at``. The one place its arguments are
+    spelled out (the engine, the footprint bench and its test build it)."""
+    return native.EngineGateBook(
+        config,
+        lease_ttl_sec,
+        state.block_pool,
+        state.block_size,
+        state.vocab_size,
+        state.max_model_len,
+        walk,
+        arm,
+        Future,
+    )
+
+
 class EngineGateDriver:
     """The host of the native ``EngineGateBook`` (the gate core, the attempts waiting in it, the
     leases it issued and who holds them; ``src/gate/book.rs``): one native call per utility
@@ -138,16 +159,8 @@ class EngineGateDriver:
         #: When a due tick was first put off for queued requests (``tick_when_settled``).
         self._due_since: float | None = None
         self._timer = _Timer(self._wake_engine)
-        self._book = native.EngineGateBook(
-            config,
-            lease_ttl_sec,
-            probes.block_pool,
-            probes.block_size,
-            probes.vocab_size,
-            probes.max_model_len,
-            probes.probe,
-            self._timer.arm,
-            Future,
+        self._book = native_book(
+            native, config, lease_ttl_sec, probes, probes.probe, self._timer.arm
         )
         self._timer.start()
         #: What vLLM calls for ``session_gate_admit`` / ``…_release`` (``gate_methods`` binds

@@ -84,17 +84,18 @@ async def _fresh_sessions(cluster: Cluster, n: int) -> dict[str, int]:
     async with httpx.AsyncClient(timeout=120) as http:
 
         async def one(k: int) -> None:
-            # Staggered and long enough that earlier ones still hold their reservation when
-            # later ones are placed: on a pressure tie the replica with fewer pinned sessions
-            # wins, and the restarted one starts with none.
             await asyncio.sleep(0.1 * k)
             body = {"model": "tiny", "prompt": word_ids(5000 + 50 * k, 24), "max_tokens": 32}
             r = await http.post(f"{cluster.proxy_url}/sess/post-{k}/v1/completions", json=body)
             statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
-            await http.post(f"{cluster.proxy_url}/sess/post-{k}/finish")
 
-        # Overlapping: the emptier replica (the restarted one) takes its share.
+        # Every session stays pinned (and holds its reservation) until all have been placed:
+        # the emptier replica — the restarted one — takes its share. Finishing each as soon as
+        # its turn ended let a fast engine serve them one at a time, each finding both replicas
+        # empty and taking the first (on 4 Dec 2026 the restarted replica served none of them).
         await asyncio.gather(*(one(k) for k in range(n)))
+        for k in range(n):
+            await http.post(f"{cluster.proxy_url}/sess/post-{k}/finish")
     after = [metric(get_text(f"{u}/metrics"), "vllm:request_success_total") for u in cluster.urls]
     return {
         "statuses": statuses,
