@@ -115,3 +115,40 @@ fn a_run_is_deterministic() {
     assert_eq!(a.records, b.records);
     assert_eq!(a.makespan_sec, b.makespan_sec);
 }
+
+#[test]
+fn aimd_on_vllm_usage_does_not_see_prefix_thrash_between_turns() {
+    // Eight episodes in flight on a cache that holds about three at their final size, prime-rl's
+    // thresholds, its time constants x0.1 (polls every 0.5 s for turns of ~0.25 s and tools of
+    // 1-1.4 s). The thrash is in the prefixes of sessions between turns: vLLM's usage counts
+    // them as free, so no poll sees the soft cap, nothing is preempted, nothing is cancelled,
+    // while the engine prefills four times what the capacity-started cap (two episodes) does.
+    let scaled = |initial_inflight| AimdConfig {
+        initial_inflight,
+        poll_interval_sec: 0.5,
+        grow_valid_sec: 1.5,
+        meter_window_sec: 0.5,
+        ..Default::default()
+    };
+    let eight = run(8, ModeSpec::Aimd(scaled(Some(8.0))));
+    let from_capacity = run(8, ModeSpec::Aimd(scaled(None)));
+    assert_every_turn_once(&eight, 8);
+    let stats = eight.aimd_stats.clone().expect("aimd reports its counters");
+    assert_eq!(eight.replica_stats.preemptions, 0);
+    assert!(stats.polls > 10, "{stats:?}");
+    assert!(
+        stats.peak_usage < AimdConfig::default().cut_usage,
+        "{stats:?}"
+    );
+    assert_eq!(
+        (stats.soft_cuts, stats.hard_cuts, eight.lost.cancellations),
+        (0, 0, 0)
+    );
+    let thrash = eight.replica_stats.prefill_tokens as f64
+        / from_capacity.replica_stats.prefill_tokens as f64;
+    assert!(
+        thrash > 3.0,
+        "prefill only {thrash:.2}x the capacity-started run's"
+    );
+    assert!(from_capacity.aimd_stats.unwrap().peak_usage < stats.peak_usage);
+}

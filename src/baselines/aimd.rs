@@ -207,6 +207,10 @@ pub struct AimdStats {
     pub soft_cuts: u64,
     /// Completions that grew the cap.
     pub grown: u64,
+    /// The highest KV usage a poll saw. vLLM's usage counts the blocks of running requests
+    /// only: the cached prefixes of sessions between turns count as free, so prefix thrash
+    /// (those prefixes evicted and re-prefilled) can run while this stays low.
+    pub peak_usage: f64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -358,6 +362,7 @@ impl AimdController {
     pub fn on_poll(&mut self, now: f64, s: &AimdSignals) -> Vec<String> {
         let c = self.config.clone();
         self.stats.polls += 1;
+        self.stats.peak_usage = self.stats.peak_usage.max(s.kv_usage);
         if !self.capacity_seen
             && let (Some(kv), Some(len)) = (s.kv_capacity_tokens, s.max_model_len)
             && len > 0

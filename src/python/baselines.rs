@@ -10,7 +10,7 @@ use pyo3::types::PyDict;
 
 use super::guard::no_panic;
 use crate::baselines::{
-    AimdConfig, AimdController, AimdSignals, PauseConfig, PauseController, PauseDecision,
+    AimdConfig, AimdController, AimdSignals, AimdStats, PauseConfig, PauseController, PauseDecision,
 };
 
 /// Applies `knobs` (name -> number) to `fields` (name -> field), refusing unknown names.
@@ -183,18 +183,24 @@ impl PyAimd {
 
     /// Counters of what the controller did.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("polls", s.polls)?;
-        d.set_item("admitted", s.admitted)?;
-        d.set_item("completed", s.completed)?;
-        d.set_item("cancelled", s.cancelled)?;
-        d.set_item("hard_cuts", s.hard_cuts)?;
-        d.set_item("soft_cuts", s.soft_cuts)?;
-        d.set_item("grown", s.grown)?;
+        let d = aimd_stats_dict(py, self.inner.stats())?;
         d.set_item("cap", self.inner.cap())?;
         Ok(d)
     }
+}
+
+/// An aimd controller's counters as a dict (the bench's controller and the twin's mode).
+pub(crate) fn aimd_stats_dict<'py>(py: Python<'py>, s: &AimdStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("polls", s.polls)?;
+    d.set_item("admitted", s.admitted)?;
+    d.set_item("completed", s.completed)?;
+    d.set_item("cancelled", s.cancelled)?;
+    d.set_item("hard_cuts", s.hard_cuts)?;
+    d.set_item("soft_cuts", s.soft_cuts)?;
+    d.set_item("grown", s.grown)?;
+    d.set_item("peak_usage", s.peak_usage)?;
+    Ok(d)
 }
 
 /// ThunderAgent's tool-boundary pausing for one replica (Rust's `baselines::PauseController`).

@@ -239,6 +239,10 @@ fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyD
         Some(s) => d.set_item("gate_stats", stats_dict(py, s)?)?,
         None => d.set_item("gate_stats", py.None())?,
     }
+    match &out.aimd_stats {
+        Some(s) => d.set_item("aimd_stats", super::baselines::aimd_stats_dict(py, s)?)?,
+        None => d.set_item("aimd_stats", py.None())?,
+    }
     d.set_item("replica_stats", replica_dict(py, &out.replica_stats)?)?;
     let lost = PyDict::new(py);
     lost.set_item("cancellations", out.lost.cancellations)?;

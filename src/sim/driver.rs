@@ -31,6 +31,7 @@ use self::mode::Command;
 pub use self::mode::{Ctx, Mode, ModeSpec, SessionIx, TurnView};
 pub use self::spec::{SessionSpec, TurnSpec};
 use self::tokens::HashChain;
+use crate::baselines::AimdStats;
 use crate::error::{Error, Result};
 use crate::gate::GateStats;
 use crate::sim::{Replica, ReplicaStats, StepOutcome};
@@ -69,6 +70,8 @@ pub struct SimOutput {
     pub makespan_sec: f64,
     /// The gate core's counters, for the gate modes.
     pub gate_stats: Option<GateStats>,
+    /// The aimd controller's counters, for mode `aimd`.
+    pub aimd_stats: Option<AimdStats>,
     /// The replica's counters (steps, busy time, preemptions, ...).
     pub replica_stats: ReplicaStats,
     /// Work thrown away by cancelled episodes (aimd): the episodes cancelled, their finished
@@ -147,6 +150,7 @@ pub fn simulate(
         records: sim.records,
         makespan_sec: sim.makespan,
         gate_stats: mode.gate_stats(),
+        aimd_stats: mode.aimd_stats(),
         replica_stats: sim.replica.stats().clone(),
         lost: sim.lost,
     })

@@ -135,6 +135,11 @@ def test_the_twin_runs_the_baselines_with_literal_constants_only():
         assert_every_turn_ran_once(result, w)
         s = result.summary()
         assert s["engine"] == "twin:cpu-tiny" and s["lost_tokens"] >= 0
+        # aimd's own view of the engine comes with its row (the twin's as the bench's).
+        if name == "aimd":
+            assert s["aimd"]["polls"] > 0 and 0.0 <= s["aimd"]["peak_usage"] <= 1.0, s["aimd"]
+        else:
+            assert "aimd" not in s
     with pytest.raises(ValueError, match="literal time constants"):
         run_twin(w, Mode.parse("pause-scaled"), "cpu-tiny")
 
@@ -198,6 +203,8 @@ async def test_aimd_cancels_youngest_episodes_and_reruns_them_with_lost_work_cou
     assert s["cancellations"] > 0 and result.gate_stats["cancelled"] == s["cancellations"]
     assert s["lost_turns"] > 0 and s["lost_tokens"] > 0
     assert result.gate_stats["polls"] > 0 and result.gate_stats["scrape_errors"] == 0
+    # The polls saw the usage that triggered the cuts (over the 2% hard cap), and say so.
+    assert s["aimd"]["cancelled"] == s["cancellations"] and s["aimd"]["peak_usage"] > 0.02
 
 
 @pytestmark_engine

@@ -84,6 +84,11 @@ class ModeResult:
             "lost_turns": self.lost_turns,
             "lost_tokens": self.lost_tokens,
         }
+        if "peak_usage" in stats:
+            # aimd's own view of the engine: the polls, its cuts, and the highest KV usage a
+            # poll saw (vLLM's usage leaves out idle sessions' cached prefixes).
+            keys = ("polls", "soft_cuts", "hard_cuts", "cancelled", "peak_usage")
+            out["aimd"] = {k: stats[k] for k in keys}
         if self.replica_stats:
             out["replica"] = self.replica_stats
         return out

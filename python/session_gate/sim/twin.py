@@ -111,7 +111,7 @@ def _result(workload: Workload, mode: Mode, profile: str, out: dict[str, Any]) -
         workload.name,
         out["makespan_sec"],
         records,
-        out["gate_stats"] or {},
+        out["gate_stats"] or out["aimd_stats"] or {},
         engine=f"twin:{profile_label(profile)}",
         replica_stats=stats,
         lost_turns=out["lost"]["turns"],

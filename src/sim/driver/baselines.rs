@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 use super::mode::{Ctx, Mode, SessionIx};
 use crate::baselines::{
-    AimdConfig, AimdController, AimdSignals, PauseConfig, PauseController, PauseDecision,
+    AimdConfig, AimdController, AimdSignals, AimdStats, PauseConfig, PauseController, PauseDecision,
 };
 use crate::error::{Error, Result};
 
@@ -69,6 +69,10 @@ impl Mode for AimdMode {
 
     fn next_wake(&mut self) -> Option<f64> {
         Some(self.next_poll)
+    }
+
+    fn aimd_stats(&self) -> Option<AimdStats> {
+        Some(self.ctl.stats().clone())
     }
 
     fn wake(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {

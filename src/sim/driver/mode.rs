@@ -7,7 +7,7 @@
 //! only through its probes and counters, as a production controller reads vLLM. New modes (AIMD,
 //! pausing, ...) are new implementations of this trait plus one arm in [`ModeSpec`]; the event
 //! loop does not change.
-use crate::baselines::{AimdConfig, PauseConfig};
+use crate::baselines::{AimdConfig, AimdStats, PauseConfig};
 use crate::error::{Error, Result};
 use crate::gate::{GateConfig, GateStats, Pressure};
 use crate::sim::{BlockHash, Replica};
@@ -139,6 +139,11 @@ pub trait Mode {
 
     /// The gate's counters, for modes that run the gate core.
     fn gate_stats(&self) -> Option<GateStats> {
+        None
+    }
+
+    /// The aimd controller's counters, for mode `aimd`.
+    fn aimd_stats(&self) -> Option<AimdStats> {
         None
     }
 
