@@ -1,8 +1,9 @@
 """Shared helpers for the Python tests: prompt builders, and for the HTTP tests the proxy binary,
-server start timeout, plain GETs and Prometheus sample sums."""
+server start timeout, plain GETs, Prometheus sample sums and vLLM's settled token count."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
@@ -125,6 +126,24 @@ def served_vllm(
     finally:
         keep_log(workdir / "vllm.log", prefix)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+#: How many times a test streams and leaves mid-stream before it fails: a sample where vLLM's
+#: API server sent nothing until the whole generation ended cannot show a cut, and is retried.
+MID_STREAM_SAMPLES = 10
+
+
+async def generated_when_idle(http, vllm_url: str) -> float:
+    """vLLM's ``generation_tokens_total`` once it runs no request (a cut stream is over), read
+    with the ``httpx.AsyncClient`` ``http``; a stream's tokens are the change across it."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        r = await http.get(f"{vllm_url}/metrics")
+        assert r.status_code == 200, r.text
+        if metric(r.text, "vllm:num_requests_running") == 0:
+            return metric(r.text, "vllm:generation_tokens_total")
+        assert time.monotonic() < deadline, "vLLM kept running a request for 60 s"
+        await asyncio.sleep(0.05)
 
 
 def keep_log(log: Path, prefix: str) -> None:

@@ -200,11 +200,12 @@ async def test_aimd_cancels_youngest_episodes_and_reruns_them_with_lost_work_cou
     result = await asyncio.wait_for(run_mode(engine, w, Mode.parse("aimd"), None, knobs=knobs), 300)
     assert_every_turn_ran_once(result, w)
     s = result.summary()
-    assert s["cancellations"] > 0 and result.gate_stats["cancelled"] == s["cancellations"]
-    assert s["lost_turns"] > 0 and s["lost_tokens"] > 0
-    assert result.gate_stats["polls"] > 0 and result.gate_stats["scrape_errors"] == 0
+    st = result.gate_stats
+    assert s["cancellations"] > 0 and st["cancelled"] == s["cancellations"], (s, st)
+    assert s["lost_turns"] > 0 and s["lost_tokens"] > 0, (s, st)
+    assert st["polls"] > 0 and st["scrape_errors"] == 0, st
     # The polls saw the usage that triggered the cuts (over the 2% hard cap), and say so.
-    assert s["aimd"]["cancelled"] == s["cancellations"] and s["aimd"]["peak_usage"] > 0.02
+    assert s["aimd"]["cancelled"] == s["cancellations"] and s["aimd"]["peak_usage"] > 0.02, s
 
 
 @pytestmark_engine

@@ -24,7 +24,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import keep_log, metric, proxy_binary, served_vllm, word_ids
+from conftest import (
+    MID_STREAM_SAMPLES,
+    generated_when_idle,
+    keep_log,
+    proxy_binary,
+    served_vllm,
+    word_ids,
+)
 from session_gate import HttpGate
 from session_gate.engine.serve import start_proxy, stop
 
@@ -311,7 +318,6 @@ async def test_the_engine_keeps_serving_after_bad_input(url):
 
 
 STREAM_TOKENS = 2500
-MID_STREAM_SAMPLES = 10
 
 
 async def leaves_mid_stream(
@@ -352,20 +358,9 @@ async def leaves_mid_stream(
             seen.append(r.json())
             return seen[-1]["leases_active"]
 
-        async def generated_when_idle() -> float:
-            """vLLM's generated-token count once it runs no request (a cut stream is over)."""
-            deadline = time.monotonic() + 60.0
-            while True:
-                r = await gate.get(f"{url}/metrics")
-                assert r.status_code == 200, r.text
-                if metric(r.text, "vllm:num_requests_running") == 0:
-                    return metric(r.text, "vllm:generation_tokens_total")
-                assert time.monotonic() < deadline, "vLLM kept running a request for 60 s"
-                await asyncio.sleep(0.05)
-
         for _ in range(MID_STREAM_SAMPLES):
             assert await leases_active() == 0
-            tokens_before = await generated_when_idle()
+            tokens_before = await generated_when_idle(gate, url)
             sent = time.monotonic()
             async with http.stream(
                 "POST", f"{via}/v1/completions", json=body, headers=headers
@@ -384,7 +379,7 @@ async def leaves_mid_stream(
                 assert time.monotonic() - left < 30.0, "the lease was never released"
                 await asyncio.sleep(0.05)
             released_after = time.monotonic() - left
-            cut = await generated_when_idle() - tokens_before
+            cut = await generated_when_idle(gate, url) - tokens_before
             if cut < STREAM_TOKENS:
                 return released_after
             void.append(f"held at {answered_after:.2f} s, then all {cut:.0f} tokens generated")

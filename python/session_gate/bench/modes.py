@@ -175,6 +175,10 @@ class Admission:
         ctl.submit(session_id)
         self._aimd_pump()
         await waiter
+        if session_id in self._cancelled:
+            # Cancelled by a poll that ran between its admission and this task waking up.
+            self._cancelled.discard(session_id)
+            raise EpisodeCancelled(session_id)
         task = asyncio.current_task()
         assert task is not None
         self._owners[session_id] = task
@@ -224,9 +228,12 @@ class Admission:
                 max_model_len=self._max_model_len,
             )
             for sid in victims:
+                # A victim admitted by an earlier pump may not have woken up yet (no owner): it
+                # sees the mark when it does, so the controller and the runner count the same
+                # cancellations and no cancelled episode runs on as if admitted.
+                self._cancelled.add(sid)
                 owner = self._owners.get(sid)
                 if owner is not None:
-                    self._cancelled.add(sid)
                     owner.cancel()
             self._aimd_pump()
             await asyncio.sleep(ctl.poll_interval_sec)
