@@ -204,8 +204,12 @@ async def test_aimd_cancels_youngest_episodes_and_reruns_them_with_lost_work_cou
     assert s["cancellations"] > 0 and st["cancelled"] == s["cancellations"], (s, st)
     assert s["lost_turns"] > 0 and s["lost_tokens"] > 0, (s, st)
     assert st["polls"] > 0 and st["scrape_errors"] == 0, st
-    # The polls saw the usage that triggered the cuts (over the 2% hard cap), and say so.
-    assert s["aimd"]["cancelled"] == s["cancellations"] and s["aimd"]["peak_usage"] > 0.02, s
+    # peak_usage is the highest usage a poll saw: a usage-triggered (soft) cut saw more than the
+    # 1% line, but cancels also come from hard cuts (a preemption, or the queue outgrowing the
+    # running set), which need no usage at all (CI, 4 Dec: 2 cancels, every poll at usage 0.0).
+    a = s["aimd"]
+    assert a["cancelled"] == s["cancellations"] and a["soft_cuts"] + a["hard_cuts"] > 0, s
+    assert a["soft_cuts"] == 0 or a["peak_usage"] > 0.01, a
 
 
 @pytestmark_engine
