@@ -15,7 +15,7 @@ import random
 import pytest
 import pytest_asyncio
 from session_gate._native import AimdController, PauseController
-from session_gate.bench.matrix import build, targets, worst_regret
+from session_gate.bench.matrix import build, median_rounds, parse_args, targets, worst_regret
 from session_gate.bench.modes import Mode, time_scale
 from session_gate.bench.runner import run_mode
 from session_gate.bench.workloads import EngineShape, SessionSpec, Turn, Workload
@@ -104,6 +104,32 @@ def test_the_matrix_computes_regret_against_the_best_mode_and_judges_targets():
     t = targets(m)
     assert t["gate_worst_regret"]["met"] and t["gate_lowest_worst_regret"]["met"]
     assert not t["gate_over_none_makespan"]["met"], "5% slower than no gate on b"
+
+
+def test_repeated_real_runs_are_judged_on_each_figures_median():
+    def run(mode, makespan, recompute):
+        return {"mode": mode, "engine": "vllm-cpu", "makespan_sec": makespan, "hit_rate": 0.8,
+                "ideal_hit_rate": 0.85, "recompute_ratio": recompute, "lost_tokens": 0,
+                "cancellations": 0, "late_turn_p90_sec": 1.0, "gate": {"at": makespan}}  # fmt: skip
+
+    rounds = [
+        {"default": [run("gate", 40.0, 1.3), run("cap8", 30.0, 1.1)]},
+        {"default": [run("cap8", 36.0, 1.2), run("gate", 31.0, 1.2)]},
+        {"default": [run("gate", 33.0, 1.25), run("cap8", 33.0, 1.3)]},
+    ]
+    merged = median_rounds(rounds)["default"]
+    gate, cap8 = merged
+    assert gate["mode"] == "gate" and cap8["mode"] == "cap8", "the first round's order"
+    assert gate["makespan_sec"] == 33.0 and gate["recompute_ratio"] == 1.25
+    assert cap8["makespan_sec"] == 33.0 and cap8["recompute_ratio"] == 1.2
+    assert [r["makespan_sec"] for r in gate["repeats"]] == [40.0, 31.0, 33.0]
+    assert gate["gate"] == {"at": 40.0}, "figures without a median are the first round's"
+    m = build({"default": merged})
+    assert m["default"]["gate"]["regret"] == 1.0 and m["default"]["gate"]["runs"] == 3
+    # A single gate run at 40 s would have been 1.33x cap8's 30 s in the same round.
+    assert median_rounds(rounds[:1]) is rounds[0]
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
 
 
 def test_the_matrix_rebuilds_from_saved_runs_merging_modes_of_a_workload(tmp_path, capsys):

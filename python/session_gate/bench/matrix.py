@@ -6,9 +6,10 @@ the default gate). The replica twin (``session_gate.sim``, when it is installed)
 on ``cpu-tiny`` and the GPU workloads on the H200 profiles, with the baselines' literal constants.
 
 Per workload, each mode's makespan over the best mode's (its *regret*), hit rate, recompute,
-lost work and the p90 latency of late turns; a table, a PNG (through ``bench.report``), a JSON
-file, and last, one JSON line with the matrix, each mode's worst-case regret and the issue's
-targets.
+lost work and the p90 latency of late turns (real modes: medians over ``--repeats`` runs, as
+one run on this machine is noisier than the targets' margins); a table, a PNG (through
+``bench.report``), a JSON file, and last, one JSON line with the matrix, each mode's worst-case
+regret and the issue's targets.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 from typing import Any
 
 from session_gate.bench import report
@@ -38,6 +40,22 @@ TWIN_RUNS = (
 #: Static caps: the real bench's on the CPU-sized workloads, GPU-sized ones on the H200 runs.
 TWIN_MODES = "none,cap4,cap8,seed,aimd,pause,gate"
 TWIN_GPU_MODES = "none,cap16,cap32,cap64,cap128,cap256,seed,aimd,pause,gate"
+#: Real rounds per mode: one run of this 2-core VM's CPU engine can be several seconds off the
+#: next (the gate against `cap8` on `default` measured 0.98-1.11 in single runs on 3-4 Dec 2026),
+#: more than the 5% the regret target allows, so the real half judges medians.
+REAL_REPEATS = 3
+#: Figures a repeated real mode reports as the median over its runs.
+MEDIAN_KEYS = (
+    "makespan_sec",
+    "hit_rate",
+    "ideal_hit_rate",
+    "recompute_ratio",
+    "lost_tokens",
+    "cancellations",
+    "late_turn_p90_sec",
+    "revocations",
+    "prefill_tokens",
+)
 #: Metrics carried into the matrix from each mode's summary.
 KEYS = (
     "engine",
@@ -85,11 +103,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "object (step k draws the workload with seed SEED + 100k; stateless modes start "
         "afresh each step); a row is the mean of the steps after the first",
     )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=REAL_REPEATS,
+        help="real engine only: run every real mode this many times (rounds, each starting "
+        "at a different mode) and judge the median of each figure; the twin is deterministic "
+        f"(default {REAL_REPEATS})",
+    )
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-matrix.json")
     p.add_argument("--plot", default="bench-matrix.png")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 def modes(text: str) -> list[Mode]:
@@ -98,7 +127,7 @@ def modes(text: str) -> list[Mode]:
 
 def build(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Per workload and mode: the summary's headline figures plus ``regret`` (makespan over the
-    workload's best makespan)."""
+    workload's best makespan) and ``runs`` (how many runs its medians are over)."""
     matrix: dict[str, dict[str, dict[str, Any]]] = {}
     for workload, summaries in by_workload.items():
         best = min(s["makespan_sec"] for s in summaries)
@@ -106,6 +135,7 @@ def build(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, d
             s["mode"]: {
                 **{k: s.get(k, "vllm-cpu" if k == "engine" else 0) for k in KEYS},
                 "regret": s["makespan_sec"] / best,
+                "runs": len(s.get("repeats", ())) or 1,
             }
             for s in summaries
         }
@@ -173,14 +203,52 @@ def targets(matrix: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def run_real(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """``--repeats`` rounds of every real mode on every real workload, merged by medians.
+
+    Round ``r`` starts at the ``r``-th mode (the list rotated), so no mode always runs first
+    after an engine start or last in a round."""
     from session_gate.bench.__main__ import run
 
     names = [w for w in args.real_workloads.split(",") if w]
     if not names:
         return {}
-    ns = argparse.Namespace(workload=names, trace=[], mode_list=modes(args.real_modes))
-    ns.seed = args.seed
-    return asyncio.run(run(ns))
+    order = modes(args.real_modes)
+    rounds = []
+    for r in range(args.repeats):
+        shift = r % len(order)
+        ns = argparse.Namespace(workload=names, trace=[], mode_list=order[shift:] + order[:shift])
+        ns.seed = args.seed
+        if args.repeats > 1:
+            print(f"real engine: round {r + 1} of {args.repeats}", flush=True)
+        rounds.append(asyncio.run(run(ns)))
+    return median_rounds(rounds)
+
+
+def median_rounds(
+    rounds: list[dict[str, list[dict[str, Any]]]],
+) -> dict[str, list[dict[str, Any]]]:
+    """One summary per workload and mode from several rounds: each of ``MEDIAN_KEYS`` is the
+    median over the rounds (so a row's figures may come from different runs), the rest is
+    the first round's, and ``repeats`` keeps every run's headline figures. One round is
+    returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for workload, first in rounds[0].items():
+        merged[workload] = []
+        for summary in first:
+            runs = [
+                s for rnd in rounds for s in rnd.get(workload, []) if s["mode"] == summary["mode"]
+            ]
+            row = dict(summary)
+            for k in MEDIAN_KEYS:
+                if all(k in s for s in runs):
+                    row[k] = statistics.median(s[k] for s in runs)
+            row["repeats"] = [
+                {k: s.get(k) for k in ("makespan_sec", "recompute_ratio", "hit_rate")} for s in runs
+            ]
+            merged[workload].append(row)
+    return merged
 
 
 def run_twin(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:

@@ -197,12 +197,14 @@ def matrix_table(
 ) -> str:
     """Every workload x mode with its regret (makespan over the workload's best), then each
     mode's worst-case regret (``partial``: modes that did not run on every workload). Twin rows
-    say "simulated"."""
+    say "simulated", repeated real rows how many runs their medians are over."""
     head = ["workload", "engine", "mode"] + [h for _, h, _ in MATRIX_COLUMNS]
     rows = []
     for workload, modes in matrix.items():
         for mode, r in modes.items():
             engine = f"{r['engine']} (simulated)" if _simulated(r["engine"]) else r["engine"]
+            if r.get("runs", 1) > 1:
+                engine += f" (median of {r['runs']})"
             rows.append(
                 [workload, engine, mode] + [fmt.format(r[k]) for k, _, fmt in MATRIX_COLUMNS]
             )
