@@ -44,18 +44,6 @@ TWIN_GPU_MODES = "none,cap16,cap32,cap64,cap128,cap256,seed,aimd,pause,gate"
 #: next (the gate against `cap8` on `default` measured 0.98-1.11 in single runs on 3-4 Dec 2026),
 #: more than the 5% the regret target allows, so the real half judges medians.
 REAL_REPEATS = 3
-#: Figures a repeated real mode reports as the median over its runs.
-MEDIAN_KEYS = (
-    "makespan_sec",
-    "hit_rate",
-    "ideal_hit_rate",
-    "recompute_ratio",
-    "lost_tokens",
-    "cancellations",
-    "late_turn_p90_sec",
-    "revocations",
-    "prefill_tokens",
-)
 #: Metrics carried into the matrix from each mode's summary.
 KEYS = (
     "engine",
@@ -67,6 +55,11 @@ KEYS = (
     "cancellations",
     "late_turn_p90_sec",
 )
+#: Figures a repeated real mode reports as the median over its runs: the matrix's figures and
+#: the counts behind them.
+MEDIAN_KEYS = (*KEYS[1:], "revocations", "prefill_tokens")
+#: Each run's headline figures, kept per run under ``repeats`` (real) or ``steps`` (twin).
+RUN_KEYS = ("makespan_sec", "recompute_ratio", "hit_rate", "revocations")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,8 +209,8 @@ def run_real(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     rounds = []
     for r in range(args.repeats):
         shift = r % len(order)
-        ns = argparse.Namespace(workload=names, trace=[], mode_list=order[shift:] + order[:shift])
-        ns.seed = args.seed
+        rotated = order[shift:] + order[:shift]
+        ns = argparse.Namespace(workload=names, trace=[], mode_list=rotated, seed=args.seed)
         if args.repeats > 1:
             print(f"real engine: round {r + 1} of {args.repeats}", flush=True)
         rounds.append(asyncio.run(run(ns)))
@@ -244,9 +237,7 @@ def median_rounds(
             for k in MEDIAN_KEYS:
                 if all(k in s for s in runs):
                     row[k] = statistics.median(s[k] for s in runs)
-            row["repeats"] = [
-                {k: s.get(k) for k in ("makespan_sec", "recompute_ratio", "hit_rate")} for s in runs
-            ]
+            row["repeats"] = [run_figures(s) for s in runs]
             merged[workload].append(row)
     return merged
 
@@ -303,11 +294,13 @@ def later_steps(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         row[k] = sum(s[k] for s in later) / len(later)
     for k in ("lost_tokens", "cancellations", "revocations"):
         row[k] = sum(s.get(k, 0) for s in later)
-    row["steps"] = [
-        {k: s.get(k) for k in ("makespan_sec", "recompute_ratio", "hit_rate", "revocations")}
-        for s in summaries
-    ]
+    row["steps"] = [run_figures(s) for s in summaries]
     return row
+
+
+def run_figures(summary: dict[str, Any]) -> dict[str, Any]:
+    """One run's headline figures (``RUN_KEYS``), as a repeated or multi-step row keeps them."""
+    return {k: summary.get(k) for k in RUN_KEYS}
 
 
 def main(argv: list[str] | None = None) -> None:
