@@ -1,5 +1,6 @@
-//! Request handling: find the session, route it, acquire its replica's gate, forward the
-//! request unchanged, and stream the answer back while holding the lease.
+//! Request handling: find the session, route it, acquire its replica's gate (the
+//! [`ReplicaGate`](super::replica_gate::ReplicaGate), wherever it runs), forward the request
+//! unchanged, and stream the answer back while holding the lease.
 //!
 //! The lease lives inside the response body ([`Tracked`]): it is released when the upstream
 //! answer has been passed on completely, when the upstream fails, or when the client goes away
@@ -23,12 +24,10 @@ use hyper::body::{Frame, Incoming};
 use serde_json::{Value, json};
 
 use super::Proxy;
-use super::config::GateAt;
-use super::engine_gate::{self, AdmitError, Held};
 use super::metrics::Outcome;
+use super::replica_gate::{AdmitError, ReplicaLease};
 use super::replicas::{Replica, Route};
 use super::upstream::{is_hop_header, never_sent, post_request};
-use crate::error::Error;
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
 const CHAT_TOKENIZE_KEYS: [&str; 8] = [
@@ -108,13 +107,9 @@ pub async fn finish(
         return axum::Json(json!({ "session_id": session, "finished": false })).into_response();
     };
     let replica = &proxy.replicas.list[index];
-    replica.probe.released();
-    let ended = match proxy.config.gate_at {
-        GateAt::Proxy => replica.gate.finish_session(&session).await,
-        GateAt::Engine => match engine_gate::finish(&proxy, replica, &session).await {
-            Ok(ended) => ended,
-            Err(e) => return error(StatusCode::BAD_GATEWAY, "BadGatewayError", e),
-        },
+    let ended = match proxy.replica_gate.finish_session(replica, &session).await {
+        Ok(ended) => ended,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, "BadGatewayError", e),
     };
     axum::Json(json!({
         "session_id": session,
@@ -343,17 +338,10 @@ fn leave_replica(proxy: &Arc<Proxy>, index: usize, session: &str) {
     let proxy = proxy.clone();
     let session = session.to_string();
     tokio::spawn(async move {
-        let replica = proxy.replicas.list[index].clone();
-        replica.probe.released();
-        match proxy.config.gate_at {
-            GateAt::Proxy => {
-                replica.gate.finish_session(&session).await;
-            }
-            GateAt::Engine => {
-                // A dead engine frees this proxy's leases one TTL after its last call.
-                let _ = engine_gate::finish(&proxy, &replica, &session).await;
-            }
-        }
+        let replica = &proxy.replicas.list[index];
+        // Whether it had a window does not matter, nor does an engine that cannot be asked:
+        // a dead engine frees this proxy's leases one TTL after its last call.
+        let _ = proxy.replica_gate.finish_session(replica, &session).await;
     });
 }
 
@@ -401,37 +389,11 @@ async fn gated(proxy: &Arc<Proxy>, replica: &Arc<Replica>, t: Turn<'_>, route: R
         }
         Err(Attempt::NotSent(why)) => return rerouted(why),
     };
-    let acquired = match proxy.config.gate_at {
-        GateAt::Proxy => replica
-            .gate
-            .acquire(
-                t.session,
-                &prompt_ids,
-                t.max_tokens,
-                proxy.config.retain_session,
-            )
-            .await
-            .map(Held::Local)
-            .map_err(|e| match e {
-                Error::Preempted { .. } => AdmitError::Preempted { num_preempted: 0 },
-                e => AdmitError::Failed {
-                    status: StatusCode::INTERNAL_SERVER_ERROR,
-                    message: e.to_string(),
-                },
-            }),
-        GateAt::Engine => {
-            engine_gate::acquire(
-                proxy,
-                replica,
-                t.session,
-                &prompt_ids,
-                t.max_tokens,
-                proxy.config.retain_session,
-            )
-            .await
-        }
-    };
-    let lease = match acquired {
+    let admitted = proxy
+        .replica_gate
+        .admit(replica, t.session, &prompt_ids, t.max_tokens)
+        .await;
+    let lease = match admitted {
         Ok(lease) => lease,
         Err(AdmitError::NotSent(why)) => return rerouted(why),
         Err(AdmitError::Preempted { .. }) => {
@@ -655,7 +617,7 @@ async fn forward(
     method: Method,
     headers: &HeaderMap,
     body: Bytes,
-    lease: Option<Held>,
+    lease: Option<ReplicaLease>,
     route: Route,
     started: Instant,
 ) -> Attempt {
@@ -664,11 +626,12 @@ async fn forward(
         .method(method)
         .uri(&uri)
         .header(hyper::header::HOST, &replica.url.authority);
-    // Admitted by the replica's engine gate already: without the session header, the replica's
-    // gating middleware (if it runs one) does not admit the same turn a second time.
-    let gated_at_engine = matches!(lease, Some(Held::Engine(_)));
+    // A turn the replica's own engine gate admitted must not be admitted there again.
+    let keep_session = lease
+        .as_ref()
+        .is_none_or(ReplicaLease::forwards_session_header);
     for (name, value) in headers {
-        let drop_session = gated_at_engine && name.as_str() == proxy.config.session_header;
+        let drop_session = !keep_session && name.as_str() == proxy.config.session_header;
         if !is_hop_header(name.as_str()) && !drop_session {
             builder = builder.header(name, value);
         }
@@ -743,7 +706,7 @@ struct Guard {
     status: u16,
     turn: u64,
     started: Instant,
-    lease: Option<Held>,
+    lease: Option<ReplicaLease>,
     done: bool,
 }
 
@@ -752,9 +715,7 @@ impl Guard {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
-        if let Some(mut lease) = self.lease.take() {
-            // Before the release wakes any waiter: readings taken until now are pre-release.
-            self.replica.probe.released();
+        if let Some(lease) = self.lease.take() {
             lease.release();
         }
         self.proxy.metrics.request(

@@ -10,15 +10,18 @@
 //! - Each gated request acquires its replica's gate before it is forwarded and releases when
 //!   the answer has been passed on, failed, or the client went away ([`forward`]). A retry
 //!   while the older attempt still waits preempts it: the older one gets HTTP 409.
+//! - That gate runs in the proxy (one per replica) or, with `--gate-at engine`, in the
+//!   replica's engine ([`engine_gate_client`]); [`replica_gate`] chooses once which.
 //! - The replicas run `vllm serve` with `VLLM_PLUGINS=session_gate`: the probes are the
 //!   `/session_gate/v1/*` routes ([`http_probe`]); text prompts and chat messages are tokenized
 //!   by the replica's own `/tokenize`. Usage answers are cached for `usage_cache_ms` and
 //!   shared between concurrent requests ([`usage_cache`]).
 pub mod config;
-pub mod engine_gate;
+pub mod engine_gate_client;
 pub mod forward;
 pub mod http_probe;
 pub mod metrics;
+pub mod replica_gate;
 pub mod replicas;
 pub mod upstream;
 pub mod usage_cache;
@@ -34,6 +37,7 @@ use axum::serve::ListenerExt;
 pub use self::config::{ConfigError, ProxyArgs, ProxyConfig};
 pub use self::http_probe::HttpProbe;
 use self::metrics::ProxyMetrics;
+use self::replica_gate::ReplicaGate;
 use self::replicas::Replicas;
 use self::upstream::Client;
 
@@ -48,8 +52,8 @@ pub struct Proxy {
     pub replicas: Arc<Replicas>,
     /// The proxy's own metrics.
     pub metrics: ProxyMetrics,
-    /// This proxy's client id towards the replicas' engine gates (`--gate-at engine`).
-    pub engine_client: engine_gate::EngineClient,
+    /// Where the replicas' gates run (in the proxy, or in the replicas' engines).
+    pub replica_gate: ReplicaGate,
 }
 
 impl Proxy {
@@ -58,12 +62,13 @@ impl Proxy {
         let client = upstream::client(Duration::from_secs_f64(config.connect_timeout_sec));
         let replicas = Arc::new(Replicas::new(&config, &client)?);
         let metrics = ProxyMetrics::new(config.max_session_labels);
+        let replica_gate = ReplicaGate::new(&config, &client);
         Ok(Arc::new(Self {
             config,
             client,
             replicas,
             metrics,
-            engine_client: engine_gate::EngineClient::default(),
+            replica_gate,
         }))
     }
 
@@ -116,8 +121,7 @@ pub async fn serve(
             .join(", ")
     );
     let health = proxy.spawn_health_checks();
-    let heartbeat = (proxy.config.gate_at == config::GateAt::Engine)
-        .then(|| tokio::spawn(engine_gate::heartbeat(proxy.clone())));
+    let heartbeat = proxy.replica_gate.spawn_heartbeat(&proxy.replicas);
     let result = axum::serve(listener, proxy.router())
         .with_graceful_shutdown(shutdown)
         .await;

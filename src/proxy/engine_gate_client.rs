@@ -1,9 +1,10 @@
-//! `session-gate proxy --gate-at engine`: the proxy delegates admission to each replica's
-//! engine gate (the gate core inside vLLM's engine core, reached through the endpoint plugin's
-//! `/session_gate/v1/{admit,release,cancel,finish,renew}` routes) instead of holding a gate of
-//! its own. Every client of the replica — other proxies, `HttpGate`s, the `--middleware` —
-//! then shares one gate, so several proxies in front of one replica never commit past the line
-//! together.
+//! The proxy's client of each replica's engine gate (`session-gate proxy --gate-at engine`):
+//! admission is delegated to the gate core inside vLLM's engine core, reached through the
+//! endpoint plugin's `/session_gate/v1/{admit,release,cancel,finish,renew}` routes, instead of
+//! a gate of the proxy's own. Every client of the replica — other proxies, `HttpGate`s, the
+//! `--middleware` — then shares one gate, so several proxies in front of one replica never
+//! commit past the line together. [`ReplicaGate`](super::replica_gate::ReplicaGate) chooses
+//! this client or the proxy's own gate once, from the configuration.
 //!
 //! - An admit is the route's long-poll. The proxy's client going away drops the handler, which
 //!   drops [`Pending`]: the long-poll's connection closes (the route cancels the attempt) and a
@@ -12,7 +13,8 @@
 //!   on every replica every third of the engine's lease TTL. If the proxy dies, the engines free
 //!   its leases one TTL after its last call (`SESSION_GATE_LEASE_TTL_SEC`, 30 s by default).
 //! - The gate knobs are the engine's (`SESSION_GATE_*` in `vllm serve`'s environment); the
-//!   proxy's own gate flags do not apply in this mode.
+//!   proxy's own gate flags do not apply in this mode, except `default_max_tokens` (it sizes a
+//!   turn that names no `max_tokens`) and `retain_session`.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -21,71 +23,42 @@ use bytes::Bytes;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use super::Proxy;
-use super::replicas::Replica;
+use super::config::ProxyConfig;
+use super::replica_gate::AdmitError;
+use super::replicas::{Replica, Replicas};
 use super::upstream::{Client, UpstreamError, percent_encode, post_for_json};
-use crate::gate::Lease;
 
 const PREFIX: &str = "/session_gate/v1";
 /// Heartbeat period until an engine has told us its lease TTL.
 const FIRST_RENEW: Duration = Duration::from_secs(1);
 
-/// This proxy process's identity towards the engine gates, and its ticket counter.
+/// This proxy process as a client of the replicas' engine gates: its identity, its ticket
+/// counter, and how it admits.
 #[derive(Debug)]
-pub struct EngineClient {
+pub struct EngineGateClient {
     /// The client id every admit, release and renew names (`proxy-<pid>-<nonce>`).
     pub id: String,
     tickets: AtomicU64,
+    client: Client,
+    authorization: Option<String>,
+    /// Sizes a turn that names no `max_tokens`, as the proxy's own gate would.
+    default_max_tokens: usize,
+    retain_session: bool,
 }
 
-impl Default for EngineClient {
-    fn default() -> Self {
+impl EngineGateClient {
+    /// A client with a fresh id, calling the replicas through `client`.
+    pub fn new(config: &ProxyConfig, client: Client) -> Self {
         let nonce = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         Self {
             id: format!("proxy-{}-{nonce:x}", std::process::id()),
             tickets: AtomicU64::new(0),
-        }
-    }
-}
-
-/// Why an engine admit did not give a lease.
-#[derive(Debug)]
-pub enum AdmitError {
-    /// A newer admit of the session (from any client of the engine) took over (HTTP 409).
-    Preempted {
-        /// How many attempts of the session were preempted so far.
-        num_preempted: u64,
-    },
-    /// The engine ended the attempt (`cancelled`, `expired`) or answered something else.
-    Failed {
-        /// The status to answer the client with.
-        status: StatusCode,
-        /// What happened, naming the replica.
-        message: String,
-    },
-    /// The admit could not be sent: the connection to the replica failed (it may go elsewhere).
-    NotSent(String),
-}
-
-/// A lease held by a request: the proxy's own gate, or the replica's engine gate.
-#[derive(Debug)]
-pub enum Held {
-    /// Admitted by the proxy's gate for this replica.
-    Local(Lease),
-    /// Admitted by the replica's engine gate.
-    Engine(EngineLease),
-}
-
-impl Held {
-    /// Releases the lease (once; later calls are no-ops).
-    pub fn release(&mut self) {
-        match self {
-            Held::Local(lease) => {
-                lease.release();
-            }
-            Held::Engine(lease) => lease.release(),
+            client,
+            authorization: config.replica_authorization.clone(),
+            default_max_tokens: config.gate.default_max_tokens,
+            retain_session: config.retain_session,
         }
     }
 }
@@ -126,13 +99,13 @@ struct Target {
 }
 
 impl Target {
-    fn new(proxy: &Proxy, replica: &Replica) -> Self {
+    fn new(gate: &EngineGateClient, replica: &Replica) -> Self {
         Self {
-            client: proxy.client.clone(),
+            client: gate.client.clone(),
             base: replica.url.base.clone(),
             authority: replica.url.authority.clone(),
-            authorization: proxy.config.replica_authorization.clone(),
-            client_id: proxy.engine_client.id.clone(),
+            authorization: gate.authorization.clone(),
+            client_id: gate.id.clone(),
         }
     }
 
@@ -205,96 +178,100 @@ impl Drop for Pending {
     }
 }
 
-/// Waits until `replica`'s engine gate admits this turn (`max_tokens` None: the proxy's
-/// `default_max_tokens` knob sizes the working set, as the proxy's own gate would).
-pub async fn acquire(
-    proxy: &Proxy,
-    replica: &Replica,
-    session: &str,
-    prompt_ids: &[u32],
-    max_tokens: Option<usize>,
-    retain_session: bool,
-) -> Result<Held, AdmitError> {
-    let target = Target::new(proxy, replica);
-    let n = proxy.engine_client.tickets.fetch_add(1, Ordering::Relaxed);
-    let ticket = format!("{}:{n}", target.client_id);
-    let max_tokens = max_tokens.unwrap_or(proxy.config.gate.default_max_tokens);
-    let query = format!(
-        "admit?session_id={}&max_tokens={max_tokens}&retain_session={retain_session}\
-         &client_id={}&ticket={}",
-        percent_encode(session),
-        percent_encode(&target.client_id),
-        percent_encode(&ticket),
-    );
-    let packed: Vec<u8> = prompt_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
-    let mut pending = Pending {
-        target: target.clone(),
-        ticket,
-        answered: false,
-    };
-    let answer = target
-        .post(&query, "application/octet-stream", Bytes::from(packed))
-        .await;
-    let failed = |status, message: String| AdmitError::Failed {
-        status,
-        message: format!("engine gate of {}: {message}", target.base),
-    };
-    let (status, value) = match answer {
-        Ok(answer) => answer,
-        // The exchange broke (a dead or dying replica): an admit only reserves cache, so the
-        // turn may go elsewhere. If it reached the engine at all, the pending guard's cancel
-        // ends the attempt there (a grant whose answer was lost expires with its lease TTL).
-        Err(e) if e.broke => {
-            pending.answered = e.not_sent;
-            return Err(AdmitError::NotSent(e.message));
-        }
-        Err(e) => return Err(failed(StatusCode::BAD_GATEWAY, e.message)),
-    };
-    pending.answered = true;
-    match (status, value.get("status").and_then(Value::as_str)) {
-        (StatusCode::OK, Some("admitted")) => match value.get("lease").and_then(Value::as_u64) {
-            Some(lease) => Ok(Held::Engine(EngineLease {
-                target,
-                lease,
-                released: false,
-            })),
-            None => Err(failed(
-                StatusCode::BAD_GATEWAY,
-                format!("admitted without a lease id: {value}"),
+impl EngineGateClient {
+    /// Waits until `replica`'s engine gate admits this turn (`max_tokens` None: the proxy's
+    /// `default_max_tokens` knob sizes the working set).
+    pub async fn admit(
+        &self,
+        replica: &Replica,
+        session: &str,
+        prompt_ids: &[u32],
+        max_tokens: Option<usize>,
+    ) -> Result<EngineLease, AdmitError> {
+        let target = Target::new(self, replica);
+        let n = self.tickets.fetch_add(1, Ordering::Relaxed);
+        let ticket = format!("{}:{n}", target.client_id);
+        let max_tokens = max_tokens.unwrap_or(self.default_max_tokens);
+        let query = format!(
+            "admit?session_id={}&max_tokens={max_tokens}&retain_session={}\
+             &client_id={}&ticket={}",
+            percent_encode(session),
+            self.retain_session,
+            percent_encode(&target.client_id),
+            percent_encode(&ticket),
+        );
+        let packed: Vec<u8> = prompt_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut pending = Pending {
+            target: target.clone(),
+            ticket,
+            answered: false,
+        };
+        let answer = target
+            .post(&query, "application/octet-stream", Bytes::from(packed))
+            .await;
+        let failed = |status, message: String| AdmitError::Failed {
+            status,
+            message: format!("engine gate of {}: {message}", target.base),
+        };
+        let (status, value) = match answer {
+            Ok(answer) => answer,
+            // The exchange broke (a dead or dying replica): an admit only reserves cache, so the
+            // turn may go elsewhere. If it reached the engine at all, the pending guard's cancel
+            // ends the attempt there (a grant whose answer was lost expires with its lease TTL).
+            Err(e) if e.broke => {
+                pending.answered = e.not_sent;
+                return Err(AdmitError::NotSent(e.message));
+            }
+            Err(e) => return Err(failed(StatusCode::BAD_GATEWAY, e.message)),
+        };
+        pending.answered = true;
+        match (status, value.get("status").and_then(Value::as_str)) {
+            (StatusCode::OK, Some("admitted")) => {
+                match value.get("lease").and_then(Value::as_u64) {
+                    Some(lease) => Ok(EngineLease {
+                        target,
+                        lease,
+                        released: false,
+                    }),
+                    None => Err(failed(
+                        StatusCode::BAD_GATEWAY,
+                        format!("admitted without a lease id: {value}"),
+                    )),
+                }
+            }
+            (_, Some("preempted")) => Err(AdmitError::Preempted {
+                num_preempted: value
+                    .get("num_preempted")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0),
+            }),
+            (_, Some(other)) => Err(failed(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the engine ended this request's wait ({other})"),
             )),
-        },
-        (_, Some("preempted")) => Err(AdmitError::Preempted {
-            num_preempted: value
-                .get("num_preempted")
-                .and_then(Value::as_u64)
-                .unwrap_or(0),
-        }),
-        (_, Some(other)) => Err(failed(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("the engine ended this request's wait ({other})"),
-        )),
-        // 400 (bad input, e.g. a token id past the vocabulary) goes back as it is; anything
-        // else (503: the plugin is not loaded) is the replica's failure.
-        (StatusCode::BAD_REQUEST, None) => Err(failed(
-            StatusCode::BAD_REQUEST,
-            error_message(&value).into(),
-        )),
-        (status, None) => Err(failed(
-            StatusCode::BAD_GATEWAY,
-            format!("admit answered {status}: {}", error_message(&value)),
-        )),
+            // 400 (bad input, e.g. a token id past the vocabulary) goes back as it is; anything
+            // else (503: the plugin is not loaded) is the replica's failure.
+            (StatusCode::BAD_REQUEST, None) => Err(failed(
+                StatusCode::BAD_REQUEST,
+                error_message(&value).into(),
+            )),
+            (status, None) => Err(failed(
+                StatusCode::BAD_GATEWAY,
+                format!("admit answered {status}: {}", error_message(&value)),
+            )),
+        }
     }
-}
 
-/// Ends `session`'s ownership window in `replica`'s engine gate; whether it had one.
-pub async fn finish(proxy: &Proxy, replica: &Replica, session: &str) -> Result<bool, String> {
-    let target = Target::new(proxy, replica);
-    let body = json!({ "session_id": session, "client_id": target.client_id });
-    let answer = target.post_json("finish", &body).await?;
-    Ok(answer
-        .get("finished")
-        .and_then(Value::as_bool)
-        .unwrap_or(false))
+    /// Ends `session`'s ownership window in `replica`'s engine gate; whether it had one.
+    pub async fn finish(&self, replica: &Replica, session: &str) -> Result<bool, String> {
+        let target = Target::new(self, replica);
+        let body = json!({ "session_id": session, "client_id": target.client_id });
+        let answer = target.post_json("finish", &body).await?;
+        Ok(answer
+            .get("finished")
+            .and_then(Value::as_bool)
+            .unwrap_or(false))
+    }
 }
 
 /// Renews this proxy's client id on every replica every third of the engine's lease TTL, so
@@ -304,12 +281,12 @@ pub async fn finish(proxy: &Proxy, replica: &Replica, session: &str) -> Result<b
 /// saturated by long streams) is still streaming this proxy's admitted turns, and skipping it
 /// would let their leases expire mid-stream. The renewals go out together, each bounded by the
 /// period, and the period runs from their start, so a slow replica delays no other renewal.
-pub async fn heartbeat(proxy: Arc<Proxy>) {
+pub async fn heartbeat(gate: Arc<EngineGateClient>, replicas: Arc<Replicas>) {
     let mut every = FIRST_RENEW;
     loop {
         let started = tokio::time::Instant::now();
-        let renewals = proxy.replicas.list.iter().map(|replica| {
-            let target = Target::new(&proxy, replica);
+        let renewals = replicas.list.iter().map(|replica| {
+            let target = Target::new(&gate, replica);
             let healthy = replica.is_healthy();
             async move {
                 let body = json!({ "client_id": target.client_id });
