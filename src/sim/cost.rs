@@ -9,7 +9,8 @@
 //!                                               p cached ones
 //!   + decode_ctx_sec   · Σ ctx                  attention of decodes: KV read per context token
 //! ```
-//! (DESIGN.md's suggested form plus the fixed and per-request costs a CPU engine shows.)
+//! (A roofline form — dense layers bound by compute or by the weight read, attention by its
+//! FLOPs or its KV read — plus the fixed and per-request costs a CPU engine shows.)
 //!
 //! Profiles are TOML data files embedded at build time (`profiles/*.toml`). Each coefficient is
 //! `{ value = ..., source = "..." }`; the `[replica]` table gives the engine shape the profile

@@ -12,7 +12,7 @@
 //! - [`cost`]: the step-time model and the embedded profiles (`profiles/*.toml`);
 //! - [`replica`]: the facade the driver uses ([`Replica`]).
 //!
-//! # Interface notes for the driver (changes from `/work/coord/TWIN_CONTRACT.md`)
+//! # Interface notes for the driver
 //! - [`Replica::add_request`] returns `crate::Result<()>`: a request with no prompt, no output
 //!   tokens, a duplicate id, or one that can never fit in the pool is refused with
 //!   `Error::InvalidInput` (vLLM refuses such requests too, at input processing).
