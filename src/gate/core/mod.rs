@@ -84,10 +84,12 @@ use std::collections::BTreeMap;
 
 mod audit;
 mod decide;
+mod gaps;
 mod idmap;
 
 pub(crate) use idmap::IdMap;
 
+use self::gaps::ReturnGaps;
 use super::config::{GateConfig, Pressure};
 use super::ledger::Ledger;
 use super::metrics::GateStats;
@@ -102,6 +104,9 @@ use crate::error::{Error, Result};
 pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
 /// ... and at least this fraction of `idle_grace_sec` (module docs, as above).
 pub(crate) const YIELD_FLOOR_OF_GRACE: f64 = 0.5;
+/// Or, sooner, once idle this many times the recent 90th percentile of return gaps: by then
+/// the session is more likely gone than in a tool call (module docs, as above).
+pub(crate) const GONE_AFTER_GAPS: f64 = 2.0;
 
 /// Cache geometry from the latest valid usage report.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -184,6 +189,8 @@ pub struct GateCore {
     next_lease: u64,
     epoch: u64,
     pending: u64,
+    /// Sessions' recent return gaps (between turns), for "Yielding idle room".
+    gaps: ReturnGaps,
     stats: GateStats,
 }
 
@@ -203,6 +210,7 @@ impl GateCore {
             next_lease: 1,
             epoch: 0,
             pending: 0,
+            gaps: ReturnGaps::default(),
             stats: GateStats::new(),
         })
     }
@@ -230,6 +238,7 @@ impl GateCore {
         let max_tokens = max_tokens.into().unwrap_or(self.cfg.default_max_tokens);
         self.expire(now);
         let slot = self.sessions.get_or_insert(session_id);
+        self.note_return(slot, now);
         let id = self.next_attempt;
         self.next_attempt += 1;
         let mut order = id;
@@ -507,6 +516,18 @@ impl GateCore {
     }
 
     // ---- state changes ---------------------------------------------------------------------
+
+    /// A session back from its idle window: its return gap is one sample of how long sessions
+    /// stay away (see [`GONE_AFTER_GAPS`]). A preempting retry is not a return.
+    fn note_return(&mut self, slot: u32, now: f64) {
+        let session = self.sessions.get(slot);
+        if session.pending.is_some() {
+            return;
+        }
+        if let Some(until) = session.reservation.as_ref().and_then(|r| r.idle_until) {
+            self.gaps.record(now - (until - self.cfg.idle_grace_sec));
+        }
+    }
 
     fn attempt_mut(&mut self, id: u64) -> &mut Attempt {
         self.attempts.get_mut(&id).expect("live attempt")
