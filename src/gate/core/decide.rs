@@ -44,12 +44,9 @@ impl GateCore {
                         // Idle rooms that may yield go before a live reservation is revoked:
                         // they are more likely gone than the session asking now.
                         let revoke = !keeps(0, older)
-                            && !(usage < hw
-                                && self.yield_idle_until(
-                                    now,
-                                    Some((slot, age)),
-                                    |freed, freed_older| keeps(freed, older - freed_older),
-                                ));
+                            && !self.yield_idle_until(now, Some((slot, age)), |freed, fo| {
+                                keeps(freed, older - fo)
+                            });
                         if !revoke {
                             let updated = self.ledger.committed() - old_ws + ws;
                             let calm = usage < hw && updated as f64 <= line;
