@@ -30,7 +30,12 @@
 //! it has been idle for both
 //! - [`YIELD_AFTER_TURNS`] (8) of its session's own mean turn times (admission to release of
 //!   the leases that held this reservation), and
-//! - [`YIELD_FLOOR_OF_GRACE`] (half) of `idle_grace_sec`.
+//! - [`YIELD_FLOOR_OF_GRACE`] (half) of `idle_grace_sec`,
+//!
+//! or, sooner, once idle [`GONE_AFTER_GAPS`] (2) times the 90th percentile of the recent
+//! return gaps (release of a session's turn to its next `begin`, over all sessions, once 8 were
+//! seen): a session away that long is more likely finished than in a tool call, and a client
+//! that never calls `finish_session` (a plain HTTP client behind the middleware) cannot say so.
 //!
 //! It yields only to a cold attempt that FIFO lets take free room and that does not fit
 //! otherwise, longest idle first, and only if dropping them makes it fit; otherwise nothing is
@@ -41,7 +46,12 @@
 //! its re-prefill will. So `idle_grace_sec` means: a session between turns holds its room for
 //! at least half of `idle_grace_sec` (more if its turns are slow) and at most all of it; with
 //! nobody waiting, or a head that would not fit anyway, it holds the whole window. With the
-//! default 60 s, sessions whose tools return within 30 s never lose their room to a waiter.
+//! default 60 s, sessions whose tools return within 30 s, and within twice the usual return
+//! gap, never lose their room to a waiter.
+//!
+//! Idle reservations that may yield also go before a revocation (step 1): when a returning
+//! session's grown working set would revoke it, idle rooms that may yield are dropped first if
+//! that lets it keep its own.
 //!
 //! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
