@@ -143,8 +143,7 @@ def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeRe
     slices = [list(range(i, n, k)) for i in range(k)]
     run = f"{mode}-{time.monotonic_ns()}"
     procs = [
-        ctx.Process(target=_client, args=(url, workload, seed, mode, s, run, queue))
-        for s in slices
+        ctx.Process(target=_client, args=(url, workload, seed, mode, s, run, queue)) for s in slices
     ]
     started = time.perf_counter()
     for p in procs:
