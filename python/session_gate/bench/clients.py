@@ -3,8 +3,10 @@ split among K client processes, each with its own connection to one ``vllm serve
 workers would have), instead of one process driving every session.
 
 Modes: ``gate`` (a local ``SessionGate`` + ``HttpProbe`` in each client: every client believes it
-owns the whole cache), ``engine-gate`` (``HttpGate``: the one gate in the engine, shared), ``none``;
-and ``gate@1``, the single-client gate (all sessions in one process) the targets compare against.
+owns the whole cache), ``engine-gate`` (``HttpGate``: the one gate in the engine, shared),
+``middleware`` (a plain client: each request carries only an ``x-session-id`` header, the engine's
+middleware gates it, and nobody ever finishes a session), ``none``; and ``gate@1``, the
+single-client gate (all sessions in one process) the targets compare against.
 Sessions go to clients round-robin. The table is the bench's own report; the last line is JSON.
 
 Also measured, in the same server run: the middleware's added latency (the same short completion
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import contextvars
 import json
 import multiprocessing
 import os
@@ -35,17 +39,25 @@ from session_gate.bench.modes import Admission, Mode
 from session_gate.bench.runner import ModeResult, TurnRecord, run_mode
 from session_gate.bench.workloads import WORKLOADS
 
-MODES = ("gate", "engine-gate", "none", "gate@1")
+MODES = ("gate", "engine-gate", "middleware", "none", "gate@1")
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 
-class _HttpEngine:
-    """What ``run_mode`` needs from an engine, over ``/v1/completions`` with token ids."""
+#: The session whose turn the current task is sending, for the ``middleware`` mode's header.
+_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
 
-    def __init__(self, url: str) -> None:
+
+class _HttpEngine:
+    """What ``run_mode`` needs from an engine, over ``/v1/completions`` with token ids. With
+    ``session_header`` each request carries ``x-session-id`` (the turn's session, tagged with
+    ``run`` so sessions of an earlier mode on the same server are not continued)."""
+
+    def __init__(self, url: str, session_header: bool = False, run: str = "") -> None:
         import httpx
 
         self.url = url
+        self.session_header = session_header
+        self.run = run
         self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64))
 
     async def generate(self, _: Any, prompt: list[int], max_tokens: int, request_id: str):
@@ -57,7 +69,10 @@ class _HttpEngine:
             "temperature": 0.0,
             "return_token_ids": True,
         }
-        r = await self.http.post(f"{self.url}/v1/completions", json=body)
+        headers = {}
+        if self.session_header:
+            headers["x-session-id"] = f"{_SESSION.get()}@{self.run}"
+        r = await self.http.post(f"{self.url}/v1/completions", json=body, headers=headers)
         r.raise_for_status()
         out = r.json()
         details = out["usage"].get("prompt_tokens_details") or {}
@@ -73,15 +88,32 @@ def _admission(mode: str, url: str) -> Admission:
         # Its counters live in the engine: run_clients reads them once, after every client.
         admission.stats = dict  # type: ignore[method-assign]
         return admission
+    if mode == "middleware":
+        return _PlainClient(Mode("none", "none"), None)
     kind = "gate" if mode.startswith("gate") else "none"
     return Admission(Mode(kind, kind), HttpProbe(url))
 
 
-def _client(url: str, workload: str, seed: int, mode: str, only: list[int], queue: Any) -> None:
+class _PlainClient(Admission):
+    """No admission in the client: it only names each turn's session, which the engine's
+    middleware reads from the header."""
+
+    @contextlib.asynccontextmanager
+    async def turn(self, session_id: str, prompt: list[int], max_tokens: int):  # type: ignore[override]
+        token = _SESSION.set(session_id)
+        try:
+            yield "middleware", 0.0
+        finally:
+            _SESSION.reset(token)
+
+
+def _client(
+    url: str, workload: str, seed: int, mode: str, only: list[int], run: str, queue: Any
+) -> None:
     """One client process: drives its sessions and sends back its turn records."""
 
     async def main() -> list[TurnRecord]:
-        engine = _HttpEngine(url)
+        engine = _HttpEngine(url, session_header=mode == "middleware", run=run)
         admission = _admission(mode, url)
         result = await run_mode(
             None,
@@ -109,8 +141,9 @@ def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeRe
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     slices = [list(range(i, n, k)) for i in range(k)]
+    run = f"{mode}-{time.monotonic_ns()}"
     procs = [
-        ctx.Process(target=_client, args=(url, workload, seed, mode, s, queue)) for s in slices
+        ctx.Process(target=_client, args=(url, workload, seed, mode, s, run, queue)) for s in slices
     ]
     started = time.perf_counter()
     for p in procs:
@@ -129,7 +162,7 @@ def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeRe
         r.ideal_cached_tokens = (system // block) * block
     stats = (
         httpx.get(f"{url}/session_gate/v1/stats", timeout=60).json()
-        if mode == "engine-gate"
+        if mode in ("engine-gate", "middleware")
         else {}
     )
     return ModeResult(

@@ -12,6 +12,7 @@ impl GateCore {
         size_of::<Self>()
             + self.sessions.approx_bytes()
             + self.ledger.approx_bytes()
+            + self.gaps.approx_bytes()
             + map(self.attempts.capacity(), size_of::<(u64, Attempt)>())
             + map(self.leases.capacity(), size_of::<(u64, LeaseRec)>())
             + self.queue.len() * (size_of::<(u64, u64)>() * 3 / 2 + 8)

@@ -1,7 +1,9 @@
 //! The decision tree (see the [`core`](super) module docs): pure reads of the core's state plus
 //! the state changes a decision can make: revoking the asking session's reservation, and idle
 //! reservations yielding their room to the head of the queue.
-use super::{Attempt, GateCore, Hit, Step, YIELD_AFTER_TURNS, YIELD_FLOOR_OF_GRACE};
+use super::{
+    Attempt, GONE_AFTER_GAPS, GateCore, Hit, Step, YIELD_AFTER_TURNS, YIELD_FLOOR_OF_GRACE,
+};
 use crate::gate::config::Pressure;
 use crate::gate::types::Reason;
 
@@ -33,11 +35,20 @@ impl GateCore {
                         let line = hw * g.num_blocks as f64;
                         let updated = committed - old_ws + ws;
                         // Fast path: the whole committed set fits, so no prefix of it can overflow.
-                        let revoke = updated as f64 > line && {
-                            let older = self.ledger.older_than(age);
-                            older > 0 && (older + ws) as f64 > line
+                        let keeps = |freed: u64, older: u64| {
+                            (updated - freed) as f64 <= line
+                                || older == 0
+                                || (older + ws) as f64 <= line
                         };
+                        let older = self.ledger.older_than(age);
+                        // Idle rooms that may yield go before a live reservation is revoked:
+                        // they are more likely gone than the session asking now.
+                        let revoke = !keeps(0, older)
+                            && !self.yield_idle_until(now, Some((slot, age)), |freed, fo| {
+                                keeps(freed, older - fo)
+                            });
                         if !revoke {
+                            let updated = self.ledger.committed() - old_ws + ws;
                             let calm = usage < hw && updated as f64 <= line;
                             return Step::Admit(if calm && fifo_ok {
                                 Reason::Open
@@ -79,23 +90,41 @@ impl GateCore {
         }
     }
 
-    /// Yielding idle room (module docs): idle reservations that may yield by `now` are
-    /// dropped, longest idle first, if dropping them lets a working set of `ws` blocks fit
-    /// under `line`; otherwise nothing is dropped. Returns whether it fits.
+    /// Yielding idle room (module docs): lets a working set of `ws` blocks fit under `line`
+    /// by dropping idle reservations that may yield. Returns whether it fits.
     fn yield_idle(&mut self, ws: u64, line: f64, now: f64) -> bool {
         let committed = self.ledger.committed();
+        self.yield_idle_until(now, None, |freed, _| {
+            (committed - freed + ws) as f64 <= line
+        })
+    }
+
+    /// Drops idle reservations that may yield by `now`, longest idle first, until
+    /// `fits(freed blocks, freed blocks older than the asking reservation)`; if they cannot
+    /// make it fit, nothing is dropped. `asking` (slot, age) is the asking session's own
+    /// reservation, never dropped here. Returns whether it fits.
+    fn yield_idle_until(
+        &mut self,
+        now: f64,
+        asking: Option<(u32, u64)>,
+        fits: impl Fn(u64, u64) -> bool,
+    ) -> bool {
+        let (asking, asking_age) = asking.unwrap_or((u32::MAX, u64::MAX));
         let mut take = Vec::new();
-        let mut freed = 0;
+        let (mut freed, mut freed_older) = (0, 0);
         for (until, slot, age, blocks) in self.ledger.idle() {
-            if (committed - freed + ws) as f64 <= line {
+            if fits(freed, freed_older) {
                 break;
             }
-            if self.may_yield_at(slot, until).is_some_and(|t| t <= now) {
+            if slot != asking && self.may_yield_at(slot, until).is_some_and(|t| t <= now) {
                 freed += blocks;
+                if age < asking_age {
+                    freed_older += blocks;
+                }
                 take.push((slot, age));
             }
         }
-        if take.is_empty() || (committed - freed + ws) as f64 > line {
+        if take.is_empty() || !fits(freed, freed_older) {
             return false;
         }
         for (slot, age) in take {
@@ -111,7 +140,8 @@ impl GateCore {
 
     /// When the idle reservation of `slot`, whose grace window ends at `until`, may yield:
     /// once idle [`YIELD_AFTER_TURNS`] of its session's mean turn times and
-    /// [`YIELD_FLOOR_OF_GRACE`] of `idle_grace_sec`. `None` if it has no turn time yet.
+    /// [`YIELD_FLOOR_OF_GRACE`] of `idle_grace_sec`, or sooner, [`GONE_AFTER_GAPS`] times the
+    /// recent sessions' 90th-percentile return gap. `None` if it has no turn time yet.
     pub(super) fn may_yield_at(&self, slot: u32, until: f64) -> Option<f64> {
         let turn = self
             .sessions
@@ -120,7 +150,10 @@ impl GateCore {
             .as_ref()?
             .mean_turn_sec()?;
         let grace = self.cfg.idle_grace_sec;
-        let after = (YIELD_AFTER_TURNS * turn).max(YIELD_FLOOR_OF_GRACE * grace);
+        let mut after = (YIELD_AFTER_TURNS * turn).max(YIELD_FLOOR_OF_GRACE * grace);
+        if let Some(gap) = self.gaps.p90() {
+            after = after.min(GONE_AFTER_GAPS * gap);
+        }
         Some(until - grace + after)
     }
 

@@ -30,7 +30,12 @@
 //! it has been idle for both
 //! - [`YIELD_AFTER_TURNS`] (8) of its session's own mean turn times (admission to release of
 //!   the leases that held this reservation), and
-//! - [`YIELD_FLOOR_OF_GRACE`] (half) of `idle_grace_sec`.
+//! - [`YIELD_FLOOR_OF_GRACE`] (half) of `idle_grace_sec`,
+//!
+//! or, sooner, once idle [`GONE_AFTER_GAPS`] (2) times the 90th percentile of the recent
+//! return gaps (release of a session's turn to its next `begin`, over all sessions, once 8 were
+//! seen): a session away that long is more likely finished than in a tool call, and a client
+//! that never calls `finish_session` (a plain HTTP client behind the middleware) cannot say so.
 //!
 //! It yields only to a cold attempt that FIFO lets take free room and that does not fit
 //! otherwise, longest idle first, and only if dropping them makes it fit; otherwise nothing is
@@ -41,7 +46,12 @@
 //! its re-prefill will. So `idle_grace_sec` means: a session between turns holds its room for
 //! at least half of `idle_grace_sec` (more if its turns are slow) and at most all of it; with
 //! nobody waiting, or a head that would not fit anyway, it holds the whole window. With the
-//! default 60 s, sessions whose tools return within 30 s never lose their room to a waiter.
+//! default 60 s, sessions whose tools return within 30 s, and within twice the usual return
+//! gap, never lose their room to a waiter.
+//!
+//! Idle reservations that may yield also go before a revocation (step 1): when a returning
+//! session's grown working set would revoke it, idle rooms that may yield are dropped first if
+//! that lets it keep its own.
 //!
 //! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
@@ -84,10 +94,12 @@ use std::collections::BTreeMap;
 
 mod audit;
 mod decide;
+mod gaps;
 mod idmap;
 
 pub(crate) use idmap::IdMap;
 
+use self::gaps::ReturnGaps;
 use super::config::{GateConfig, Pressure};
 use super::ledger::Ledger;
 use super::metrics::GateStats;
@@ -102,6 +114,9 @@ use crate::error::{Error, Result};
 pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
 /// ... and at least this fraction of `idle_grace_sec` (module docs, as above).
 pub(crate) const YIELD_FLOOR_OF_GRACE: f64 = 0.5;
+/// Or, sooner, once idle this many times the recent 90th percentile of return gaps: by then
+/// the session is more likely gone than in a tool call (module docs, as above).
+pub(crate) const GONE_AFTER_GAPS: f64 = 2.0;
 
 /// Cache geometry from the latest valid usage report.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -184,6 +199,8 @@ pub struct GateCore {
     next_lease: u64,
     epoch: u64,
     pending: u64,
+    /// Sessions' recent return gaps (between turns), for "Yielding idle room".
+    gaps: ReturnGaps,
     stats: GateStats,
 }
 
@@ -203,6 +220,7 @@ impl GateCore {
             next_lease: 1,
             epoch: 0,
             pending: 0,
+            gaps: ReturnGaps::default(),
             stats: GateStats::new(),
         })
     }
@@ -230,6 +248,7 @@ impl GateCore {
         let max_tokens = max_tokens.into().unwrap_or(self.cfg.default_max_tokens);
         self.expire(now);
         let slot = self.sessions.get_or_insert(session_id);
+        self.note_return(slot, now);
         let id = self.next_attempt;
         self.next_attempt += 1;
         let mut order = id;
@@ -507,6 +526,18 @@ impl GateCore {
     }
 
     // ---- state changes ---------------------------------------------------------------------
+
+    /// A session back from its idle window: its return gap is one sample of how long sessions
+    /// stay away (see [`GONE_AFTER_GAPS`]). A preempting retry is not a return.
+    fn note_return(&mut self, slot: u32, now: f64) {
+        let session = self.sessions.get(slot);
+        if session.pending.is_some() {
+            return;
+        }
+        if let Some(until) = session.reservation.as_ref().and_then(|r| r.idle_until) {
+            self.gaps.record(now - (until - self.cfg.idle_grace_sec));
+        }
+    }
 
     fn attempt_mut(&mut self, id: u64) -> &mut Attempt {
         self.attempts.get_mut(&id).expect("live attempt")
