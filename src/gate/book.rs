@@ -17,9 +17,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::core::{GateCore, IdMap};
+use super::knobs::{self, Knob, Value};
 use super::metrics::GateStats;
 use super::types::{Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, UsageReport};
 use crate::error::{Error, Result};
+
+/// The knob a book's lease TTL must meet (it is read in the engine core, not here).
+const LEASE_TTL_SEC: &Knob = knobs::row("lease_ttl_sec");
 
 /// What the engine gate reads from its engine while it drives an attempt.
 pub trait BookProbes<T> {
@@ -147,11 +151,7 @@ pub struct EngineBook<T> {
 impl<T> EngineBook<T> {
     /// A book over `core`; a client silent for `lease_ttl_sec` is declared dead.
     pub fn new(core: GateCore, lease_ttl_sec: f64) -> Result<Self> {
-        if !(lease_ttl_sec.is_finite() && lease_ttl_sec > 0.0) {
-            return Err(Error::InvalidInput(format!(
-                "lease_ttl_sec must be a positive number of seconds, got {lease_ttl_sec}"
-            )));
-        }
+        LEASE_TTL_SEC.check(Value::Number(lease_ttl_sec))?;
         let epoch = core.epoch();
         Ok(Self {
             core,

@@ -7,6 +7,7 @@ pub mod book;
 pub mod config;
 pub mod core;
 pub mod driver;
+pub mod knobs;
 mod ledger;
 pub mod metrics;
 mod session;

@@ -7,7 +7,8 @@ use std::time::Instant;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::gate::{PyGateConfig, stats_dict};
+use super::gate_core::stats_dict;
+use super::knobs::PyGateConfig;
 use super::guard::no_panic;
 use crate::error::Error;
 use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
