@@ -8,8 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::gate_core::stats_dict;
-use super::knobs::PyGateConfig;
 use super::guard::no_panic;
+use super::knobs::PyGateConfig;
 use crate::error::Error;
 use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
