@@ -285,7 +285,8 @@ pub fn gate_knobs() -> impl Iterator<Item = &'static Knob> {
 pub const fn row(name: &str) -> &'static Knob {
     let mut i = 0;
     while i < KNOBS.len() {
-        if same(KNOBS[i].name, name) {
+        // `==` on `str` is not `const`; the names are lowercase ASCII, so this is equality.
+        if KNOBS[i].name.eq_ignore_ascii_case(name) {
             return &KNOBS[i];
         }
         i += 1;
@@ -296,21 +297,6 @@ pub const fn row(name: &str) -> &'static Knob {
 /// The default of the row named `name` (see [`row`]).
 pub const fn default_of(name: &str) -> Value {
     row(name).default
-}
-
-const fn same(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
 }
 
 impl Knob {
