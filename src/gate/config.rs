@@ -1,6 +1,6 @@
 //! [`GateConfig`], the gate's knobs as a struct. Their defaults, validation and
 //! `SESSION_GATE_*` environment overrides are read off the one table, [`super::knobs::KNOBS`].
-use super::knobs::{self, default_of};
+use super::knobs::{self, Knob, default_of};
 use crate::error::{Error, Result};
 
 /// What the high watermark is compared with (the decision tree in [`crate::gate::core`]).
@@ -16,17 +16,11 @@ pub enum Pressure {
 }
 
 impl Pressure {
-    /// Parses `"committed"` or `"engine"` (case-insensitive, surrounding blanks ignored).
+    /// Parses `"committed"` or `"engine"` (case-insensitive, surrounding blanks ignored), by
+    /// the `pressure` row of [`knobs::KNOBS`].
     pub fn from_name(name: &str) -> Result<Self> {
-        match name.trim().to_ascii_lowercase().as_str() {
-            "committed" => Ok(Self::Committed),
-            "engine" => Ok(Self::Engine),
-            _ => Err(Error::InvalidKnob {
-                knob: "pressure",
-                value: name.to_string(),
-                why: "expected \"committed\" or \"engine\"",
-            }),
-        }
+        const PRESSURE: &Knob = knobs::row("pressure");
+        Ok(Self::named(PRESSURE.parse(name)?.name()))
     }
 
     /// The pressure called `name` at compile time (an unknown name fails the build).
@@ -47,30 +41,29 @@ impl Pressure {
     }
 }
 
-/// Every knob of the gate; each field is a row of [`KNOBS`], whose doc, rule and default it
-/// shares. Build with `GateConfig { high_watermark: 0.9, ..Default::default() }` and call
-/// [`GateConfig::validate`] (the core does it again on construction).
+/// Every knob of the gate; each field is a row of [`knobs::KNOBS`], which holds its rule, default and
+/// environment variable. Build with `GateConfig { high_watermark: 0.9, ..Default::default() }`
+/// and call [`GateConfig::validate`] (the core does it again on construction).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GateConfig {
-    /// Fraction of KV blocks above which the gate is under pressure. 0..=1, default 0.85.
+    /// Fraction of KV blocks above which the gate is under pressure.
     pub high_watermark: f64,
-    /// Minimum prefix `hit_ratio` for a `resident_prefix` admission. 0..=1, default 0.80.
+    /// Minimum prefix `hit_ratio` for a `resident_prefix` admission.
     pub hit_threshold: f64,
-    /// How long a waiter sleeps before looking again when nobody wakes it. > 0 s, default 5.
+    /// How long a waiter sleeps before looking again when nobody wakes it.
     pub wait_poll_sec: f64,
-    /// How long a released `retain_session` reservation stays as an idle grace window. ≥ 0 s,
-    /// default 60. In committed mode a window may yield its room to the head of the queue
-    /// after half of it (or 8 of its session's mean turn times, if longer): `gate::core`,
-    /// "Yielding idle room".
+    /// How long a released `retain_session` reservation stays as an idle grace window. In
+    /// committed mode a window may yield its room to the head of the queue after half of it
+    /// (or 8 of its session's mean turn times, if longer): `gate::core`, "Yielding idle room".
     pub idle_grace_sec: f64,
-    /// What the watermark is compared with. Default [`Pressure::Committed`].
+    /// What the watermark is compared with.
     pub pressure: Pressure,
-    /// Past this wait an attempt is admitted with reason `max_wait`. `None` (default) = never.
+    /// Past this wait an attempt is admitted with reason `max_wait`; `None` = never.
     pub max_wait_sec: Option<f64>,
-    /// A probe that has not answered after this long counts as unavailable. > 0 s, default 2.
+    /// A probe that has not answered after this long counts as unavailable.
     pub probe_timeout_sec: f64,
     /// Output tokens counted in a turn's working set when the caller gives no `max_tokens`
-    /// (an `acquire(session_id, prompt_ids)` without it). Default 256. Passing the turn's real
+    /// (an `acquire(session_id, prompt_ids)` without it). Passing the turn's real
     /// `max_tokens` makes the working set exact; this is only a guess at it.
     pub default_max_tokens: usize,
 }
@@ -82,7 +75,7 @@ impl Default for GateConfig {
 }
 
 impl GateConfig {
-    /// Every knob at its default in [`KNOBS`] (read at compile time: a field without a row, or a
+    /// Every knob at its default in [`knobs::KNOBS`] (read at compile time: a field without a row, or a
     /// default of the wrong kind, fails the build).
     pub const DEFAULT: Self = Self {
         high_watermark: default_of("high_watermark").number(),
@@ -126,7 +119,7 @@ pub(crate) fn invalid(knob: &'static str, v: f64, why: &'static str) -> Error {
 
 impl GateConfig {
     /// Refuses NaN, fractions outside 0..=1 and negative or infinite seconds (each knob by its
-    /// rule in [`KNOBS`]), naming the knob and the value. A zero poll interval or probe timeout
+    /// rule in [`knobs::KNOBS`]), naming the knob and the value. A zero poll interval or probe timeout
     /// is refused too: it would spin.
     pub fn validate(&self) -> Result<()> {
         for knob in knobs::gate_knobs() {
