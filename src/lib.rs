@@ -22,6 +22,7 @@
 pub mod baselines;
 #[cfg(feature = "proxy")]
 pub mod cli;
+mod const_eq;
 pub mod error;
 pub mod ffi;
 pub mod gate;

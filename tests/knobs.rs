@@ -67,7 +67,6 @@ fn rows_are_unique_and_their_env_vars_are_their_names() {
     let names: BTreeSet<_> = KNOBS.iter().map(|k| k.name).collect();
     assert_eq!(names.len(), KNOBS.len(), "two rows share a name");
     for k in KNOBS {
-        // `knobs::row` compares names ignoring case (const `str` has no `==`).
         assert_eq!(k.name, k.name.to_ascii_lowercase(), "{}: lowercase", k.name);
         assert_eq!(
             k.env,

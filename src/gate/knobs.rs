@@ -13,6 +13,7 @@
 use std::fmt;
 
 use super::config::{GateConfig, Pressure, fraction, seconds};
+use crate::const_eq::bytes_eq;
 use crate::error::{Error, Result};
 
 /// Where a knob's value lives.
@@ -285,8 +286,7 @@ pub fn gate_knobs() -> impl Iterator<Item = &'static Knob> {
 pub const fn row(name: &str) -> &'static Knob {
     let mut i = 0;
     while i < KNOBS.len() {
-        // `==` on `str` is not `const`; the names are lowercase ASCII, so this is equality.
-        if KNOBS[i].name.eq_ignore_ascii_case(name) {
+        if bytes_eq(KNOBS[i].name.as_bytes(), name.as_bytes()) {
             return &KNOBS[i];
         }
         i += 1;
