@@ -6,7 +6,7 @@
 * the gate core (``src/python/gate_core.rs``): ``GateCore`` and the actions its ``poll``
   returns, driven by ``session_gate.gate.SessionGate``; the engine gate's book
   (``src/python/engine_book.rs``): ``EngineGateBook``;
-* the twin and the baselines (``SimReplica``, ``simulate``, ``AimdController``, ...).
+* the twin and the baselines (``SimReplica``, ``simulate_rl_steps``, ``AimdController``, ...).
 
 Every function turns a Rust panic into ``RuntimeError``; invalid input raises ``ValueError``.
 """
@@ -37,7 +37,6 @@ __all__ = [
     "sim_profile_names",
     "sim_profile_step_times",
     "sim_step_features",
-    "simulate",
     "simulate_rl_steps",
     "validate_prompt",
     "prompt_length",
@@ -522,29 +521,9 @@ def sim_profile_step_times(
 
 # --------------------------------------------------------------------------- twin (sim.rs)
 
-#: A session for ``simulate``: (session_id, system_tokens, task_tokens, arrival,
+#: A session for ``simulate_rl_steps``: (session_id, system_tokens, task_tokens, arrival,
 #: [(append, output, tool_latency), ...]).
 _SimSession: TypeAlias = tuple[str, int, int, float, Sequence[tuple[int, int, float]]]
-
-def simulate(
-    sessions: Sequence[_SimSession],
-    mode: str,
-    *,
-    cap: int = 0,
-    config: GateConfig | None = None,
-    profile: str | None = None,
-    profile_path: str | None = None,
-    profile_text: str | None = None,
-    num_blocks: int | None = None,
-    block_size: int | None = None,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    seed: int = 0,
-) -> dict[str, object]:
-    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``) of a workload on the twin: the
-    built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape unless a shape
-    field is given. Returns ``records`` (columns), ``makespan_sec``, ``gate_stats`` (or None),
-    ``replica_stats``, ``profile`` and ``wall_sec``. The GIL is released while it runs."""
 
 def simulate_rl_steps(
     steps: Sequence[Sequence[_SimSession]],
@@ -561,9 +540,13 @@ def simulate_rl_steps(
     max_num_batched_tokens: int | None = None,
     seed: int = 0,
 ) -> list[dict[str, object]]:
-    """Runs one mode over consecutive RL steps (one session list per step), each step on a
-    fresh replica, through ONE mode object: the gate core lives across steps, the other modes
-    start afresh. One ``simulate``-style dict per step (gate counters cumulative)."""
+    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``, ``aimd``, ``pause``) of a workload
+    on the twin over consecutive RL steps (one session list per step), each step on a fresh
+    replica, through ONE mode object: the gate core lives across steps, the other modes start
+    afresh. The built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape
+    unless a shape field is given. One dict per step: ``records`` (columns), ``makespan_sec``,
+    ``gate_stats`` (or None; cumulative), ``replica_stats``, ``lost``, ``profile`` and
+    ``wall_sec``. The GIL is released while it runs."""
 
 def sim_profile_names() -> list[str]:
     """The built-in twin profiles."""

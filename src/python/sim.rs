@@ -1,6 +1,6 @@
-//! The replica twin for Python: `simulate(...)` runs one mode of a workload on a profile and
-//! returns its per-turn records and counters; `simulate_rl_steps(...)` runs consecutive RL
-//! steps through one mode object (the gate core lives across steps). One call is the whole
+//! The replica twin for Python: `simulate_rl_steps(...)` runs one mode of a workload on a
+//! profile over consecutive RL steps through one mode object (the gate core lives across
+//! steps) and returns each step's per-turn records and counters. One call is the whole
 //! simulation; the GIL is released while it runs.
 use std::time::Instant;
 
@@ -50,62 +50,21 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
     Ok(out)
 }
 
-/// Runs one mode of a workload on the twin.
+/// Runs one mode of a workload over consecutive RL steps on the twin: `steps` is a list of
+/// session lists (one per step; a session is `(session_id, system_tokens, task_tokens,
+/// arrival, [(append, output, tool_latency), ...])`), each step on a fresh replica, all through
+/// ONE mode object, so the gate core (what it learned, its counters) lives across steps; the
+/// other modes start afresh each step. One step is a plain run of the workload.
 ///
 /// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
-/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults). The cost model is the built-in `profile`, or the TOML
-/// `profile_text` read from `profile_path`. The replica has the profile's shape unless a shape
-/// field is given. `seed` seeds token identity. Returns a dict: `records` (columns: `session`,
-/// `turn`, `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
-/// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None), `replica_stats`,
-/// `lost` (cancelled episodes' `cancellations`, `turns`, `tokens`), `profile` (name,
-/// description, shape used) and `wall_sec`.
-#[pyfunction]
-#[pyo3(signature = (
-    sessions,
-    mode,
-    *,
-    cap=0,
-    config=None,
-    profile=None,
-    profile_path=None,
-    profile_text=None,
-    num_blocks=None,
-    block_size=None,
-    max_num_seqs=None,
-    max_num_batched_tokens=None,
-    seed=0,
-))]
-#[allow(clippy::too_many_arguments)]
-fn simulate<'py>(
-    py: Python<'py>,
-    sessions: &Bound<'py, PyAny>,
-    mode: &str,
-    cap: u32,
-    config: Option<PyRef<'py, PyGateConfig>>,
-    profile: Option<&str>,
-    profile_path: Option<&str>,
-    profile_text: Option<&str>,
-    num_blocks: Option<u32>,
-    block_size: Option<u32>,
-    max_num_seqs: Option<u32>,
-    max_num_batched_tokens: Option<u32>,
-    seed: u64,
-) -> PyResult<Bound<'py, PyDict>> {
-    no_panic("simulate", || {
-        let steps = vec![read_sessions(sessions)?];
-        let shape = [num_blocks, block_size, max_num_seqs, max_num_batched_tokens];
-        let source = (profile, profile_path, profile_text);
-        let mut out = run(py, steps, mode, cap, config, source, shape, seed)?;
-        Ok(out.remove(0))
-    })
-}
-
-/// Runs one mode over consecutive RL steps on the twin: `steps` is a list of session lists
-/// (one per step, as `simulate`'s `sessions`), each step on a fresh replica, all through ONE
-/// mode object, so the gate core (what it learned, its counters) lives across steps; the other modes
-/// start afresh each step. Returns one `simulate`-style dict per step (the gate's counters
-/// cumulative). Keyword arguments as `simulate`'s.
+/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults).
+/// The cost model is the built-in `profile`, or the TOML `profile_text` read from
+/// `profile_path`. The replica has the profile's shape unless a shape field is given. `seed`
+/// seeds token identity. Returns one dict per step: `records` (columns: `session`, `turn`,
+/// `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
+/// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None, cumulative
+/// across steps), `replica_stats`, `lost` (cancelled episodes' `cancellations`, `turns`,
+/// `tokens`), `profile` (name, description, shape used) and `wall_sec`.
 #[pyfunction]
 #[pyo3(signature = (
     steps,
@@ -159,7 +118,7 @@ fn simulate_rl_steps<'py>(
     })
 }
 
-/// The body of both entry points: one dict per step.
+/// The body of `simulate_rl_steps`: one dict per step.
 #[allow(clippy::too_many_arguments)]
 fn run<'py>(
     py: Python<'py>,
@@ -306,7 +265,6 @@ fn sim_profile_names() -> Vec<&'static str> {
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(simulate_rl_steps, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
     Ok(())
