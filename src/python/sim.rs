@@ -18,21 +18,34 @@ use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 /// each turn `(append, output, tool_latency)`.
 type SessionTuple = (String, u32, u32, f64, Vec<(u32, u32, f64)>);
 
-fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
-    let mut out = Vec::new();
-    let iter = sessions
+/// Each item of the Python iterable `items` through `read`; an error names the item the way
+/// the caller calls it (`what`, e.g. `sessions[2]: ...`).
+fn read_each<T>(
+    items: &Bound<'_, PyAny>,
+    what: &str,
+    read: impl Fn(&Bound<'_, PyAny>) -> Result<T, String>,
+) -> Result<Vec<T>, Error> {
+    let iter = items
         .try_iter()
-        .map_err(|e| Error::InvalidInput(format!("sessions: not iterable: {e}")))?;
+        .map_err(|e| Error::InvalidInput(format!("{what}: not iterable: {e}")))?;
+    let mut out = Vec::new();
     for (i, item) in iter.enumerate() {
-        let item = item.map_err(|e| Error::InvalidInput(format!("sessions[{i}]: {e}")))?;
+        let item = item.map_err(|e| e.to_string()).and_then(|item| read(&item));
+        out.push(item.map_err(|e| Error::InvalidInput(format!("{what}[{i}]: {e}")))?);
+    }
+    Ok(out)
+}
+
+fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
+    read_each(sessions, "sessions", |item| {
         let (session_id, system_tokens, task_tokens, arrival, turns) =
             item.extract::<SessionTuple>().map_err(|e| {
-                Error::InvalidInput(format!(
-                    "sessions[{i}]: expected (session_id, system_tokens, task_tokens, arrival, \
+                format!(
+                    "expected (session_id, system_tokens, task_tokens, arrival, \
                      [(append, output, tool_latency), ...]): {e}"
-                ))
+                )
             })?;
-        out.push(SessionSpec {
+        Ok(SessionSpec {
             session_id,
             system_tokens,
             task_tokens,
@@ -45,9 +58,8 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
                     tool_latency,
                 })
                 .collect(),
-        });
-    }
-    Ok(out)
+        })
+    })
 }
 
 /// Runs one mode of a workload over consecutive RL steps on the twin: `steps` is a list of
@@ -98,17 +110,9 @@ fn simulate_rl_steps<'py>(
     seed: u64,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     no_panic("simulate_rl_steps", || {
-        let mut specs = Vec::new();
-        let iter = steps
-            .try_iter()
-            .map_err(|e| Error::InvalidInput(format!("steps: not iterable: {e}")))?;
-        for (k, item) in iter.enumerate() {
-            let item = item.map_err(|e| Error::InvalidInput(format!("steps[{k}]: {e}")))?;
-            specs.push(
-                read_sessions(&item)
-                    .map_err(|e| Error::InvalidInput(format!("steps[{k}]: {e}")))?,
-            );
-        }
+        let specs = read_each(steps, "steps", |item| {
+            read_sessions(item).map_err(|e| e.to_string())
+        })?;
         if specs.is_empty() {
             return Err(Error::InvalidInput("steps: expected at least one step".into()).into());
         }
