@@ -117,7 +117,7 @@ sg_status sg_last_error(char *buf, size_t buf_len, size_t *out_len);
 
 /* ---- reasons, pressure, probe kinds --------------------------------------------------------- */
 
-/** Why an attempt was admitted (the seed's decision tree, plus `max_wait`). */
+/** Why an attempt was admitted (the gate's decision tree, plus `max_wait`). */
 typedef int32_t sg_reason;
 /** No pressure, or nothing committed. */
 #define SG_REASON_OPEN 0
@@ -135,11 +135,11 @@ typedef int32_t sg_reason;
 /** The label of a reason, e.g. "resident_prefix": static, NUL-terminated; NULL if unknown. */
 const char *sg_reason_name(sg_reason reason);
 
-/** What the high watermark is compared with (DESIGN.md, "Pressure"). */
+/** What the high watermark is compared with. */
 typedef int32_t sg_pressure;
 /** Committed working sets of reserved sessions, with age order and revocation (default). */
 #define SG_PRESSURE_COMMITTED 0
-/** The seed, literally: vLLM's KV usage only. */
+/** The original design's rule, literally: vLLM's KV usage only. */
 #define SG_PRESSURE_ENGINE 1
 
 /** Index of a probe kind in `sg_stats.probe_calls` / `probe_failures`. */
@@ -150,11 +150,12 @@ typedef int32_t sg_pressure;
 
 /* ---- configuration -------------------------------------------------------------------------- */
 
-/** Every knob of the gate. Start from `sg_config_default()` and change what you need. */
+/** Every knob of the gate. Start from `sg_config_default()` and change what you need. Each field
+ * is a row of the knob table in src/gate/knobs.rs (tests/knobs.rs holds this struct to it). */
 typedef struct sg_config {
     /** Fraction of KV blocks above which the gate is under pressure. 0..1, default 0.85. */
     double high_watermark;
-    /** Minimum prefix hit ratio for a `resident_prefix` admission. 0..1, default 0.80. */
+    /** Minimum prefix hit ratio for a `resident_prefix` admission. 0..1, default 0.8. */
     double hit_threshold;
     /** How long a waiter sleeps before looking again when nobody wakes it. > 0 s, default 5. */
     double wait_poll_sec;
@@ -162,27 +163,29 @@ typedef struct sg_config {
      * >= 0 s, default 60. With committed pressure, after half of it (or 8 of the session's
      * mean turn times, if longer) the window may yield its room to the head of the queue. */
     double idle_grace_sec;
-    /** `SG_PRESSURE_COMMITTED` (default) or `SG_PRESSURE_ENGINE`. */
+    /** `SG_PRESSURE_COMMITTED` (default committed) or `SG_PRESSURE_ENGINE`. */
     sg_pressure pressure;
-    /** Whether `max_wait_sec` applies; default false (never admit for having waited). */
+    /** Whether `max_wait_sec` applies; false by default. */
     bool has_max_wait;
-    /** Past this wait an attempt is admitted with reason `max_wait`. >= 0 s. */
+    /** Past this wait an attempt is admitted with reason `max_wait`. >= 0 s, default never
+     * (`has_max_wait` false). */
     double max_wait_sec;
     /** A probe callback that has not answered after this long counts as unavailable.
      * > 0 s, default 2. */
     double probe_timeout_sec;
     /** Output tokens a turn's working set counts when its request says
-     * `SG_MAX_TOKENS_DEFAULT` (the seed's `acquire(session_id, prompt_ids)`). Default 256. */
+     * `SG_MAX_TOKENS_DEFAULT` (an acquire without `max_tokens`). Default 256. */
     size_t default_max_tokens;
 } sg_config;
 
-/** The seed's defaults. */
+/** Every knob at its default. */
 sg_config sg_config_default(void);
 
 /** The defaults overridden by the process environment: `SESSION_GATE_HIGH_WATERMARK`,
- * `_HIT_THRESHOLD`, `_WAIT_POLL_SEC`, `_IDLE_GRACE_SEC`, `_PRESSURE` (committed | engine),
- * `_MAX_WAIT_SEC` (seconds, or none | off), `_PROBE_TIMEOUT_SEC`, `_DEFAULT_MAX_TOKENS`; blank
- * ones are ignored.
+ * `SESSION_GATE_HIT_THRESHOLD`, `SESSION_GATE_WAIT_POLL_SEC`, `SESSION_GATE_IDLE_GRACE_SEC`,
+ * `SESSION_GATE_PRESSURE` (committed | engine), `SESSION_GATE_MAX_WAIT_SEC` (seconds, or
+ * none | off), `SESSION_GATE_PROBE_TIMEOUT_SEC`, `SESSION_GATE_DEFAULT_MAX_TOKENS`; blank ones
+ * are ignored.
  * `SG_INVALID_CONFIG` (and `*out` untouched) if a variable is malformed or out of range. */
 sg_status sg_config_from_env(sg_config *out);
 

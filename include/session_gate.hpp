@@ -117,7 +117,7 @@ inline std::string_view reason_name(sg_reason reason) {
     return name ? std::string_view(name) : std::string_view("unknown");
 }
 
-/// The knobs, starting from the seed's defaults; set fields directly.
+/// The knobs, starting from their defaults; set fields directly.
 struct Config : sg_config {
     Config() : sg_config(sg_config_default()) {}
 

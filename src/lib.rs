@@ -1,22 +1,28 @@
 //! session-gate: a session-level admission gate for agentic rollouts on vLLM.
 //!
-//! The crate has two halves that share nothing but names:
-//! - the **engine half** ([`hashing`], [`prefix`]): vLLM-exact block hashing and the per-session
-//!   hash-chain cache behind the residency probes that run inside vLLM's engine core;
-//! - the **gate** ([`gate`]): a sans-IO admission state machine plus its tokio driver;
-//! - the **twin** ([`sim`]): a sans-IO model of a vLLM replica that runs the gate in virtual time.
+//! The rooms of the crate:
+//! - the **gate** ([`gate`]): a sans-IO admission state machine (`gate::core`), its one table of
+//!   knobs (`gate::knobs`), and the drivers that carry out its probes and waits (tokio's
+//!   `gate::driver`; the engine gate's book, `gate::book`);
+//! - **hashing and prefix probes** ([`hashing`], [`prefix`]): vLLM-exact block hashing and the
+//!   per-session hash-chain cache behind the residency probes;
+//! - the **C ABI** ([`ffi`]): every `extern "C"`, declared in `include/session_gate.h`;
+//! - the **Python extension** (`python`, behind the `python` feature): `session_gate._native`;
+//! - the **proxy** (`proxy` and `cli`, behind the `proxy` feature): `session-gate proxy`;
+//! - the **twin** ([`sim`]): a sans-IO model of a vLLM replica that runs the gate in virtual time;
+//! - the **baselines** ([`baselines`]): the controllers people deploy today (prime-rl's AIMD
+//!   concurrency, ThunderAgent's pausing), sans-IO too, for the benchmark and the twin.
 //!
-//! Beside the gate, [`baselines`] holds the controllers people deploy today (prime-rl's AIMD
-//! concurrency, ThunderAgent's pausing), sans-IO too, for the benchmark and the twin.
-//!
-//! Bindings live in their own folders: `python` (PyO3, behind the `python` feature) and `ffi`
-//! (every `extern "C"`). Nothing outside those folders knows about Python or C.
+//! The **engine half** is the part that runs inside vLLM's engine core process: the plugin's
+//! probes and engine gate (`session_gate.engine` in Python), built on [`hashing`], [`prefix`]
+//! and the engine gate's book. Nothing outside `python` and `ffi` knows about Python or C.
 #![warn(missing_docs, unreachable_pub)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod baselines;
 #[cfg(feature = "proxy")]
 pub mod cli;
+mod const_eq;
 pub mod error;
 pub mod ffi;
 pub mod gate;

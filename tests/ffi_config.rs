@@ -1,4 +1,4 @@
-//! `sg_config` through the C ABI: the seed's defaults, validation naming the knob, and
+//! `sg_config` through the C ABI: the knob table's defaults, validation naming the knob, and
 //! `SESSION_GATE_*` overrides. The only test binary that touches the environment.
 use session_gate::ffi::sys::{self, sg_config};
 use session_gate::ffi::*;

@@ -1,4 +1,4 @@
-//! Gate knobs: seed defaults, refusal of invalid values naming knob and value, env overrides.
+//! Gate knobs: the table's defaults, refusal of invalid values naming knob and value, env overrides.
 use std::collections::HashMap;
 
 use session_gate::Error;
@@ -20,7 +20,7 @@ fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
 }
 
 #[test]
-fn defaults_are_the_seeds() {
+fn defaults_are_the_tables() {
     let c = GateConfig::default();
     assert_eq!(c.high_watermark, 0.85);
     assert_eq!(c.hit_threshold, 0.80);

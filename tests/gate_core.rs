@@ -135,7 +135,7 @@ fn working_set_counts_prompt_and_max_tokens_in_whole_blocks() {
 
 #[test]
 fn without_max_tokens_the_working_set_counts_default_max_tokens() {
-    // The seed's acquire(session_id, prompt_ids): 17 prompt tokens + the default 256 output
+    // A plain acquire(session_id, prompt_ids): 17 prompt tokens + the default 256 output
     // tokens, in blocks of 16, is 18 blocks.
     let mut c = core();
     assert_eq!(c.config().default_max_tokens, 256);

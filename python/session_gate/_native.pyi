@@ -1,11 +1,12 @@
 """Typed stubs for ``session_gate._native``, the Rust extension (PyO3, built by maturin).
 
-Two halves that share nothing but names:
-
-* the engine half (``src/python/engine.rs``): ``ProbeEngine`` and the hashing helpers, used
-  inside vLLM's engine core by ``session_gate.engine``;
-* the gate (``src/python/gate.rs``): ``GateConfig``, ``GateCore`` and the actions its ``poll``
-  returns, driven by ``session_gate.gate.SessionGate``.
+* the engine half's native parts (``src/python/engine.rs``): ``ProbeEngine`` and the hashing
+  helpers, used inside vLLM's engine core by ``session_gate.engine``;
+* the knob table (``src/python/knobs.rs``): ``GateConfig``, ``knobs()`` and ``knob_from_env``;
+* the gate core (``src/python/gate_core.rs``): ``GateCore`` and the actions its ``poll``
+  returns, driven by ``session_gate.gate.SessionGate``; the engine gate's book
+  (``src/python/engine_book.rs``): ``EngineGateBook``;
+* the twin and the baselines (``SimReplica``, ``simulate_rl_steps``, ``AimdController``, ...).
 
 Every function turns a Rust panic into ``RuntimeError``; invalid input raises ``ValueError``.
 """
@@ -31,10 +32,11 @@ __all__ = [
     "hash_block",
     "hash_blocks",
     "hash_chain_tip",
+    "knob_from_env",
+    "knobs",
     "sim_profile_names",
     "sim_profile_step_times",
     "sim_step_features",
-    "simulate",
     "simulate_rl_steps",
     "validate_prompt",
     "prompt_length",
@@ -118,15 +120,33 @@ _ReasonName = Literal[
 ]
 _ProbeKindName = Literal["usage", "prefix", "forget"]
 
+class _Knob(TypedDict):
+    name: str
+    env: str
+    default: float | int | str | None
+    rule: str
+    doc: str
+    home: Literal["gate_config", "engine_core"]
+
+def knobs() -> list[_Knob]:
+    """Every row of the knob table (``src/gate/knobs.rs``): name, ``SESSION_GATE_*`` variable,
+    default, rule in words, one-line doc, and ``home`` (``gate_config`` for a ``GateConfig``
+    keyword, ``engine_core`` for a knob only the engine half reads)."""
+
+def knob_from_env(name: str) -> float | int | str | None:
+    """The knob ``name`` from its ``SESSION_GATE_*`` variable (blank or unset: its default),
+    checked by its rule. ``ValueError`` naming knob and value; ``KeyError`` for no such knob."""
+
 @final
 class GateConfig:
-    """The gate's knobs (DESIGN.md "Knobs"), validated in Rust; immutable.
+    """The gate's knobs, validated in Rust; immutable. Every keyword is a row of the knob table
+    (``knobs()``), which also gives each one's rule and doc.
 
-    Omitted knobs (or ``None``) keep the seed's defaults: high_watermark 0.85, hit_threshold 0.80,
-    wait_poll_sec 5, idle_grace_sec 60, pressure "committed", max_wait_sec None (never),
+    Omitted knobs (or ``None``) keep their defaults: high_watermark 0.85, hit_threshold 0.8,
+    wait_poll_sec 5, idle_grace_sec 60, pressure committed, max_wait_sec never (``None``),
     probe_timeout_sec 2, default_max_tokens 256 (the output tokens a turn's working set counts
     when ``admit``/``acquire`` get no ``max_tokens``). Invalid values raise ``ValueError`` naming
-    the knob and the value.
+    the knob and the value; an unknown keyword raises ``TypeError``.
     """
 
     def __new__(
@@ -143,9 +163,10 @@ class GateConfig:
     ) -> GateConfig: ...
     @staticmethod
     def from_env() -> GateConfig:
-        """Defaults overridden by ``SESSION_GATE_HIGH_WATERMARK``, ``…_HIT_THRESHOLD``,
-        ``…_WAIT_POLL_SEC``, ``…_IDLE_GRACE_SEC``, ``…_PRESSURE``, ``…_MAX_WAIT_SEC``
-        (``none``/``off`` for no limit), ``…_PROBE_TIMEOUT_SEC`` and ``…_DEFAULT_MAX_TOKENS``."""
+        """Defaults overridden by ``SESSION_GATE_HIGH_WATERMARK``, ``SESSION_GATE_HIT_THRESHOLD``,
+        ``SESSION_GATE_WAIT_POLL_SEC``, ``SESSION_GATE_IDLE_GRACE_SEC``,
+        ``SESSION_GATE_PRESSURE``, ``SESSION_GATE_MAX_WAIT_SEC`` (``none``/``off`` for no limit),
+        ``SESSION_GATE_PROBE_TIMEOUT_SEC`` and ``SESSION_GATE_DEFAULT_MAX_TOKENS``."""
     @property
     def high_watermark(self) -> float: ...
     @property
@@ -500,29 +521,9 @@ def sim_profile_step_times(
 
 # --------------------------------------------------------------------------- twin (sim.rs)
 
-#: A session for ``simulate``: (session_id, system_tokens, task_tokens, arrival,
+#: A session for ``simulate_rl_steps``: (session_id, system_tokens, task_tokens, arrival,
 #: [(append, output, tool_latency), ...]).
 _SimSession: TypeAlias = tuple[str, int, int, float, Sequence[tuple[int, int, float]]]
-
-def simulate(
-    sessions: Sequence[_SimSession],
-    mode: str,
-    *,
-    cap: int = 0,
-    config: GateConfig | None = None,
-    profile: str | None = None,
-    profile_path: str | None = None,
-    profile_text: str | None = None,
-    num_blocks: int | None = None,
-    block_size: int | None = None,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    seed: int = 0,
-) -> dict[str, object]:
-    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``) of a workload on the twin: the
-    built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape unless a shape
-    field is given. Returns ``records`` (columns), ``makespan_sec``, ``gate_stats`` (or None),
-    ``replica_stats``, ``profile`` and ``wall_sec``. The GIL is released while it runs."""
 
 def simulate_rl_steps(
     steps: Sequence[Sequence[_SimSession]],
@@ -539,9 +540,13 @@ def simulate_rl_steps(
     max_num_batched_tokens: int | None = None,
     seed: int = 0,
 ) -> list[dict[str, object]]:
-    """Runs one mode over consecutive RL steps (one session list per step), each step on a
-    fresh replica, through ONE mode object: the gate core lives across steps, the other modes
-    start afresh. One ``simulate``-style dict per step (gate counters cumulative)."""
+    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``, ``aimd``, ``pause``) of a workload
+    on the twin over consecutive RL steps (one session list per step), each step on a fresh
+    replica, through ONE mode object: the gate core lives across steps, the other modes start
+    afresh. The built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape
+    unless a shape field is given. One dict per step: ``records`` (columns), ``makespan_sec``,
+    ``gate_stats`` (or None; cumulative), ``replica_stats``, ``lost``, ``profile`` and
+    ``wall_sec``. The GIL is released while it runs."""
 
 def sim_profile_names() -> list[str]:
     """The built-in twin profiles."""

@@ -15,8 +15,8 @@ class SessionGateError(Exception):
 class AdmissionPreempted(SessionGateError):
     """A newer admission attempt for the same session took over while this one waited.
 
-    Only the newest attempt of a session competes for admission (the seed's "attempt
-    preemption"): a harness that retried a turn should let the older attempt go.
+    Only the newest attempt of a session competes for admission (attempt preemption): a
+    harness that retried a turn should let the older attempt go.
     """
 
     def __init__(self, session_id: str, num_preempted: int = 0) -> None:

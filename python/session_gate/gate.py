@@ -195,7 +195,7 @@ class _Admission:
 
 
 class SessionGate:
-    """Session-level admission gate for one vLLM engine (see DESIGN.md, "Python surface").
+    """Session-level admission gate for one vLLM engine (docs/architecture.md describes it).
 
     ``probe`` is any object with async ``usage()`` and ``prefix(session_id, prompt_ids)``
     (optionally ``forget(session_id)``), e.g. ``EngineProbe(async_llm)``; ``config`` defaults to
@@ -241,7 +241,7 @@ class SessionGate:
         ``prompt_ids`` is the turn's whole prompt: a sequence of token ids, or ``bytes`` of
         packed little-endian uint32 (``probes.pack_token_ids``), which ``EngineProbe`` forwards
         as is. Its length plus ``max_tokens`` is the turn's working set; without ``max_tokens``
-        (the seed's ``admit(session_id, prompt_ids)``) the working set counts the config's
+        (a plain ``admit(session_id, prompt_ids)``) the working set counts the config's
         ``default_max_tokens`` instead, so pass the turn's real one when you know it.
         ``retain_session`` keeps the session's reservation for ``idle_grace_sec`` after
         release, so the next turn (after a tool call) re-enters as ``reserved_session``; after

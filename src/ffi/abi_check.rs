@@ -6,24 +6,11 @@
 //! in one array (they must have identical signatures to share a type); build.rs also refuses an
 //! export the header does not declare. What is left are facts bindgen cannot see, asserted below.
 use super::sys;
+use crate::const_eq::bytes_eq;
 use crate::ffi as exports;
 use crate::gate::{ProbeKind, Reason};
 
 include!(concat!(env!("OUT_DIR"), "/session_gate_abi_check.rs"));
-
-const fn same_str(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
 
 const fn parse_u32(s: &str) -> u32 {
     let b = s.as_bytes();
@@ -42,7 +29,7 @@ const _: () = {
     // The generated constant includes the C string's NUL.
     let (text, nul) = header.split_at(header.len() - 1);
     assert!(nul[0] == 0);
-    assert!(same_str(text, env!("CARGO_PKG_VERSION").as_bytes()));
+    assert!(bytes_eq(text, env!("CARGO_PKG_VERSION").as_bytes()));
     assert!(sys::SG_VERSION_MAJOR == parse_u32(env!("CARGO_PKG_VERSION_MAJOR")));
     assert!(sys::SG_VERSION_MINOR == parse_u32(env!("CARGO_PKG_VERSION_MINOR")));
     assert!(sys::SG_VERSION_PATCH == parse_u32(env!("CARGO_PKG_VERSION_PATCH")));

@@ -16,7 +16,7 @@ use libc::c_void;
 use tokio::sync::oneshot;
 use tokio::task::AbortHandle;
 
-use super::gate::{GateHandle, Request};
+use super::gate_handle::{GateHandle, Request};
 use super::lease::LeaseHandle;
 use super::status::{Failure, arg, guard, out};
 use super::sys::{self, sg_attempt, sg_gate, sg_lease, sg_request, sg_status, sg_wake_fn};

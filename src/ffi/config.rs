@@ -49,7 +49,8 @@ pub(crate) fn to_gate_config(c: &sg_config) -> Result<GateConfig, Error> {
     Ok(config)
 }
 
-/// The seed's defaults. See `sg_config_default` in `include/session_gate.h`.
+/// The defaults of the knob table (`gate::knobs`). See `sg_config_default` in
+/// `include/session_gate.h`.
 #[unsafe(no_mangle)]
 pub extern "C" fn sg_config_default() -> sg_config {
     // A panic here is impossible in practice; if one happened, hand back a config that

@@ -3,7 +3,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use libc::{c_char, size_t};
 
-use super::gate::reason_code;
+use super::gate_handle::reason_code;
 use super::status::{Failure, arg, guard, out};
 use super::sys::{self, sg_lease, sg_lease_info, sg_status};
 use crate::gate::{Admission, Lease};

@@ -17,7 +17,7 @@
 mod abi_check;
 mod attempt;
 mod config;
-mod gate;
+mod gate_handle;
 mod lease;
 mod meta;
 mod probe;
@@ -26,7 +26,7 @@ pub mod sys;
 
 pub use self::attempt::{sg_attempt_destroy, sg_attempt_poll, sg_gate_try_acquire};
 pub use self::config::{sg_config_default, sg_config_from_env, sg_config_validate};
-pub use self::gate::{
+pub use self::gate_handle::{
     sg_gate_acquire, sg_gate_create, sg_gate_destroy, sg_gate_finish_session, sg_gate_prometheus,
     sg_gate_stats, sg_string_free,
 };

@@ -17,9 +17,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::core::{GateCore, IdMap};
+use super::knobs::{self, Knob, Value};
 use super::metrics::GateStats;
 use super::types::{Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, UsageReport};
 use crate::error::{Error, Result};
+
+/// The knob a book's lease TTL must meet (it is read in the engine core, not here).
+const LEASE_TTL_SEC: &Knob = knobs::row("lease_ttl_sec");
 
 /// What the engine gate reads from its engine while it drives an attempt.
 pub trait BookProbes<T> {
@@ -147,11 +151,7 @@ pub struct EngineBook<T> {
 impl<T> EngineBook<T> {
     /// A book over `core`; a client silent for `lease_ttl_sec` is declared dead.
     pub fn new(core: GateCore, lease_ttl_sec: f64) -> Result<Self> {
-        if !(lease_ttl_sec.is_finite() && lease_ttl_sec > 0.0) {
-            return Err(Error::InvalidInput(format!(
-                "lease_ttl_sec must be a positive number of seconds, got {lease_ttl_sec}"
-            )));
-        }
+        LEASE_TTL_SEC.check(Value::Number(lease_ttl_sec))?;
         let epoch = core.epoch();
         Ok(Self {
             core,
@@ -213,6 +213,22 @@ impl<T> EngineBook<T> {
         self.attempts.get_mut(ticket).map(|p| &mut p.payload)
     }
 
+    /// One client call: marks `client_id` seen, runs `f`, then settles what `f` changed.
+    fn on_call<R>(
+        &mut self,
+        client_id: Option<&str>,
+        now: f64,
+        probes: &mut impl BookProbes<T>,
+        f: impl FnOnce(&mut Self) -> R,
+    ) -> R {
+        if let Some(c) = client_id {
+            self.seen(c, now);
+        }
+        let out = f(self);
+        self.settle(now, probes);
+        out
+    }
+
     /// Releases a lease; false if it was unknown or released already.
     pub fn release(
         &mut self,
@@ -221,12 +237,9 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> bool {
-        if let Some(c) = client_id {
-            self.seen(c, now);
-        }
-        let released = self.release_lease(lease, now, false);
-        self.settle(now, probes);
-        released
+        self.on_call(client_id, now, probes, |b| {
+            b.release_lease(lease, now, false)
+        })
     }
 
     /// Withdraws a pending admit (answered [`Answer::Cancelled`]) or releases the lease it
@@ -238,12 +251,9 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> bool {
-        if let Some(c) = client_id {
-            self.seen(c, now);
-        }
-        let done = self.cancel_ticket(ticket, now, Answer::Cancelled);
-        self.settle(now, probes);
-        done
+        self.on_call(client_id, now, probes, |b| {
+            b.cancel_ticket(ticket, now, Answer::Cancelled)
+        })
     }
 
     /// Ends a session's ownership window; whether it had one.
@@ -254,12 +264,9 @@ impl<T> EngineBook<T> {
         now: f64,
         probes: &mut impl BookProbes<T>,
     ) -> bool {
-        if let Some(c) = client_id {
-            self.seen(c, now);
-        }
-        let ended = self.core.finish_session(session_id, now);
-        self.settle(now, probes);
-        ended
+        self.on_call(client_id, now, probes, |b| {
+            b.core.finish_session(session_id, now)
+        })
     }
 
     /// A client's heartbeat; returns how many leases and pending admits it holds.
@@ -805,6 +812,21 @@ mod tests {
         }
     }
 
+    /// Admits session `hog` for `client` at 0: 95 blocks committed, over the 85-block line.
+    fn admit_hog(b: &mut EngineBook<()>, p: &mut Fixed, client: &str, retain: bool) -> Admission {
+        admitted(
+            b.admit("h", client, "hog", 1500, 16, retain, (), 0.0, p)
+                .unwrap(),
+        )
+    }
+
+    /// Asks to admit `session` (`ticket`, `client`, `tokens`) at `now` and checks it waits.
+    fn parks(b: &mut EngineBook<()>, p: &mut Fixed, ids: [&str; 3], tokens: usize, now: f64) {
+        let [ticket, client, session] = ids;
+        let answer = b.admit(ticket, client, session, tokens, 16, true, (), now, p);
+        assert_eq!(answer.unwrap(), None, "{ticket} waits");
+    }
+
     #[test]
     fn an_open_gate_admits_in_the_call_and_the_release_frees_the_ticket() {
         let mut b = book();
@@ -826,16 +848,8 @@ mod tests {
     fn a_silent_clients_leases_and_attempts_end_one_ttl_after_its_last_call() {
         let mut b = book();
         let mut p = Fixed { usage: 0.1 };
-        let hog = admitted(
-            b.admit("h", "dead", "hog", 1500, 16, true, (), 0.0, &mut p)
-                .unwrap(),
-        );
-        // 95 blocks committed, the line is 85: this one waits.
-        assert_eq!(
-            b.admit("w", "dead", "w", 160, 16, true, (), 0.5, &mut p)
-                .unwrap(),
-            None
-        );
+        let hog = admit_hog(&mut b, &mut p, "dead", true);
+        parks(&mut b, &mut p, ["w", "dead", "w"], 160, 0.5);
         assert_eq!(
             b.take_alarm(),
             Some(3.0),
@@ -874,15 +888,8 @@ mod tests {
     fn a_waiter_is_admitted_by_a_release_and_answered_through_the_resolved_list() {
         let mut b = book();
         let mut p = Fixed { usage: 0.1 };
-        let hog = admitted(
-            b.admit("h", "c", "hog", 1500, 16, false, (), 0.0, &mut p)
-                .unwrap(),
-        );
-        assert_eq!(
-            b.admit("w", "c", "w", 160, 16, true, (), 0.1, &mut p)
-                .unwrap(),
-            None
-        );
+        let hog = admit_hog(&mut b, &mut p, "c", false);
+        parks(&mut b, &mut p, ["w", "c", "w"], 160, 0.1);
         assert!(!b.has_resolved());
         assert!(b.release(hog.lease.0, Some("c"), 0.2, &mut p));
         let resolved = b.take_resolved();
@@ -895,16 +902,9 @@ mod tests {
     fn a_clients_pending_count_lists_only_parked_attempts_and_forgets_them_when_they_end() {
         let mut b = book();
         let mut p = Fixed { usage: 0.1 };
-        let hog = admitted(
-            b.admit("h", "c", "hog", 1500, 16, false, (), 0.0, &mut p)
-                .unwrap(),
-        );
+        let hog = admit_hog(&mut b, &mut p, "c", false);
         assert_eq!(b.renew("c", 0.05, &mut p), (1, 0));
-        assert_eq!(
-            b.admit("w", "c", "w", 160, 16, true, (), 0.1, &mut p)
-                .unwrap(),
-            None
-        );
+        parks(&mut b, &mut p, ["w", "c", "w"], 160, 0.1);
         assert_eq!(b.renew("c", 0.15, &mut p), (1, 1));
         assert!(
             b.release(hog.lease.0, Some("c"), 0.2, &mut p),
@@ -939,20 +939,9 @@ mod tests {
     fn a_newer_admit_preempts_the_older_waiting_one() {
         let mut b = book();
         let mut p = Fixed { usage: 0.1 };
-        admitted(
-            b.admit("h", "c", "hog", 1500, 16, true, (), 0.0, &mut p)
-                .unwrap(),
-        );
-        assert_eq!(
-            b.admit("a1", "c", "s", 160, 16, true, (), 0.1, &mut p)
-                .unwrap(),
-            None
-        );
-        assert_eq!(
-            b.admit("a2", "c", "s", 170, 16, true, (), 0.2, &mut p)
-                .unwrap(),
-            None
-        );
+        admit_hog(&mut b, &mut p, "c", true);
+        parks(&mut b, &mut p, ["a1", "c", "s"], 160, 0.1);
+        parks(&mut b, &mut p, ["a2", "c", "s"], 170, 0.2);
         let resolved = b.take_resolved();
         assert_eq!(resolved.len(), 1);
         assert_eq!(resolved[0].ticket, "a1");

@@ -144,7 +144,7 @@ impl Gate {
     /// Waits until this turn of `session_id` may go to the engine, and returns its lease.
     /// Release the lease (or drop it) when the engine's answer is complete.
     ///
-    /// `max_tokens` is the turn's output budget, or `None` (the seed's `acquire(session_id,
+    /// `max_tokens` is the turn's output budget, or `None` (a plain `acquire(session_id,
     /// prompt_ids)`): the working set then counts [`GateConfig::default_max_tokens`].
     ///
     /// Fails with [`Error::Preempted`] when a newer `acquire` for the same session takes over;

@@ -1,5 +1,6 @@
-//! The admission gate: a sans-IO state machine ([`GateCore`]) that owns every decision, and a
-//! tokio driver ([`Gate`]) that carries out its probes and waits.
+//! The admission gate: a sans-IO state machine ([`GateCore`]) that owns every decision, a
+//! tokio driver ([`Gate`]) that carries out its probes and waits, the engine gate's book
+//! ([`book`]), and the one table of knobs ([`knobs::KNOBS`]) behind [`GateConfig`].
 //!
 //! The decision tree, what FIFO means and how waiters are woken are documented on the
 //! [`core`] module.
@@ -7,6 +8,7 @@ pub mod book;
 pub mod config;
 pub mod core;
 pub mod driver;
+pub mod knobs;
 mod ledger;
 pub mod metrics;
 mod session;

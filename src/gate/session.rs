@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// A session's ownership of part of the cache (DESIGN.md, "Pressure"; seed, "Ownership windows").
+/// A session's ownership of part of the cache: held while its turns run and through its idle
+/// grace window (see [`crate::gate::core`], "Committed" and "Yielding idle room").
 #[derive(Debug, Clone)]
 pub(crate) struct Reservation {
     /// When the reservation was obtained, as a sequence number: the age order key.

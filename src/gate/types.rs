@@ -11,7 +11,8 @@ pub struct AttemptId(pub u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct LeaseId(pub u64);
 
-/// Why an attempt was admitted: the seed's decision tree, plus `max_wait`.
+/// Why an attempt was admitted: the decision tree's outcomes (see [`crate::gate::core`]), plus
+/// `max_wait`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// No pressure (and, in committed mode, the working set fits under the watermark), or

@@ -11,10 +11,11 @@ mod block_pool;
 #[cfg(feature = "proxy")]
 mod cli;
 mod engine;
-mod engine_gate;
+mod engine_book;
 mod errors;
-mod gate;
+mod gate_core;
 mod guard;
+mod knobs;
 mod residency;
 mod sim;
 mod sim_pool;
@@ -25,8 +26,9 @@ mod tokens;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     engine::register(m)?;
-    gate::register(m)?;
-    engine_gate::register(m)?;
+    knobs::register(m)?;
+    gate_core::register(m)?;
+    engine_book::register(m)?;
     baselines::register(m)?;
     sim::register(m)?;
     #[cfg(feature = "proxy")]

@@ -1,14 +1,15 @@
-//! The replica twin for Python: `simulate(...)` runs one mode of a workload on a profile and
-//! returns its per-turn records and counters; `simulate_rl_steps(...)` runs consecutive RL
-//! steps through one mode object (the gate core lives across steps). One call is the whole
+//! The replica twin for Python: `simulate_rl_steps(...)` runs one mode of a workload on a
+//! profile over consecutive RL steps through one mode object (the gate core lives across
+//! steps) and returns each step's per-turn records and counters. One call is the whole
 //! simulation; the GIL is released while it runs.
 use std::time::Instant;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use super::gate::{PyGateConfig, stats_dict};
+use super::gate_core::stats_dict;
 use super::guard::no_panic;
+use super::knobs::PyGateConfig;
 use crate::error::Error;
 use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
@@ -17,21 +18,34 @@ use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 /// each turn `(append, output, tool_latency)`.
 type SessionTuple = (String, u32, u32, f64, Vec<(u32, u32, f64)>);
 
-fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
-    let mut out = Vec::new();
-    let iter = sessions
+/// Each item of the Python iterable `items` through `read`; an error names the item the way
+/// the caller calls it (`what`, e.g. `sessions[2]: ...`).
+fn read_each<T>(
+    items: &Bound<'_, PyAny>,
+    what: &str,
+    read: impl Fn(&Bound<'_, PyAny>) -> Result<T, String>,
+) -> Result<Vec<T>, Error> {
+    let iter = items
         .try_iter()
-        .map_err(|e| Error::InvalidInput(format!("sessions: not iterable: {e}")))?;
+        .map_err(|e| Error::InvalidInput(format!("{what}: not iterable: {e}")))?;
+    let mut out = Vec::new();
     for (i, item) in iter.enumerate() {
-        let item = item.map_err(|e| Error::InvalidInput(format!("sessions[{i}]: {e}")))?;
+        let item = item.map_err(|e| e.to_string()).and_then(|item| read(&item));
+        out.push(item.map_err(|e| Error::InvalidInput(format!("{what}[{i}]: {e}")))?);
+    }
+    Ok(out)
+}
+
+fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
+    read_each(sessions, "sessions", |item| {
         let (session_id, system_tokens, task_tokens, arrival, turns) =
             item.extract::<SessionTuple>().map_err(|e| {
-                Error::InvalidInput(format!(
-                    "sessions[{i}]: expected (session_id, system_tokens, task_tokens, arrival, \
+                format!(
+                    "expected (session_id, system_tokens, task_tokens, arrival, \
                      [(append, output, tool_latency), ...]): {e}"
-                ))
+                )
             })?;
-        out.push(SessionSpec {
+        Ok(SessionSpec {
             session_id,
             system_tokens,
             task_tokens,
@@ -44,67 +58,25 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
                     tool_latency,
                 })
                 .collect(),
-        });
-    }
-    Ok(out)
-}
-
-/// Runs one mode of a workload on the twin.
-///
-/// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
-/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults). The cost model is the built-in `profile`, or the TOML
-/// `profile_text` read from `profile_path`. The replica has the profile's shape unless a shape
-/// field is given. `seed` seeds token identity. Returns a dict: `records` (columns: `session`,
-/// `turn`, `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
-/// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None), `replica_stats`,
-/// `lost` (cancelled episodes' `cancellations`, `turns`, `tokens`), `profile` (name,
-/// description, shape used) and `wall_sec`.
-#[pyfunction]
-#[pyo3(signature = (
-    sessions,
-    mode,
-    *,
-    cap=0,
-    config=None,
-    profile=None,
-    profile_path=None,
-    profile_text=None,
-    num_blocks=None,
-    block_size=None,
-    max_num_seqs=None,
-    max_num_batched_tokens=None,
-    seed=0,
-))]
-#[allow(clippy::too_many_arguments)]
-fn simulate<'py>(
-    py: Python<'py>,
-    sessions: &Bound<'py, PyAny>,
-    mode: &str,
-    cap: u32,
-    config: Option<PyRef<'py, PyGateConfig>>,
-    profile: Option<&str>,
-    profile_path: Option<&str>,
-    profile_text: Option<&str>,
-    num_blocks: Option<u32>,
-    block_size: Option<u32>,
-    max_num_seqs: Option<u32>,
-    max_num_batched_tokens: Option<u32>,
-    seed: u64,
-) -> PyResult<Bound<'py, PyDict>> {
-    no_panic("simulate", || {
-        let steps = vec![read_sessions(sessions)?];
-        let shape = [num_blocks, block_size, max_num_seqs, max_num_batched_tokens];
-        let source = (profile, profile_path, profile_text);
-        let mut out = run(py, steps, mode, cap, config, source, shape, seed)?;
-        Ok(out.remove(0))
+        })
     })
 }
 
-/// Runs one mode over consecutive RL steps on the twin: `steps` is a list of session lists
-/// (one per step, as `simulate`'s `sessions`), each step on a fresh replica, all through ONE
-/// mode object, so the gate core (what it learned, its counters) lives across steps; the other modes
-/// start afresh each step. Returns one `simulate`-style dict per step (the gate's counters
-/// cumulative). Keyword arguments as `simulate`'s.
+/// Runs one mode of a workload over consecutive RL steps on the twin: `steps` is a list of
+/// session lists (one per step; a session is `(session_id, system_tokens, task_tokens,
+/// arrival, [(append, output, tool_latency), ...])`), each step on a fresh replica, all through
+/// ONE mode object, so the gate core (what it learned, its counters) lives across steps; the
+/// other modes start afresh each step. One step is a plain run of the workload.
+///
+/// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
+/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults).
+/// The cost model is the built-in `profile`, or the TOML `profile_text` read from
+/// `profile_path`. The replica has the profile's shape unless a shape field is given. `seed`
+/// seeds token identity. Returns one dict per step: `records` (columns: `session`, `turn`,
+/// `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
+/// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None, cumulative
+/// across steps), `replica_stats`, `lost` (cancelled episodes' `cancellations`, `turns`,
+/// `tokens`), `profile` (name, description, shape used) and `wall_sec`.
 #[pyfunction]
 #[pyo3(signature = (
     steps,
@@ -138,17 +110,9 @@ fn simulate_rl_steps<'py>(
     seed: u64,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     no_panic("simulate_rl_steps", || {
-        let mut specs = Vec::new();
-        let iter = steps
-            .try_iter()
-            .map_err(|e| Error::InvalidInput(format!("steps: not iterable: {e}")))?;
-        for (k, item) in iter.enumerate() {
-            let item = item.map_err(|e| Error::InvalidInput(format!("steps[{k}]: {e}")))?;
-            specs.push(
-                read_sessions(&item)
-                    .map_err(|e| Error::InvalidInput(format!("steps[{k}]: {e}")))?,
-            );
-        }
+        let specs = read_each(steps, "steps", |item| {
+            read_sessions(item).map_err(|e| e.to_string())
+        })?;
         if specs.is_empty() {
             return Err(Error::InvalidInput("steps: expected at least one step".into()).into());
         }
@@ -158,7 +122,7 @@ fn simulate_rl_steps<'py>(
     })
 }
 
-/// The body of both entry points: one dict per step.
+/// The body of `simulate_rl_steps`: one dict per step.
 #[allow(clippy::too_many_arguments)]
 fn run<'py>(
     py: Python<'py>,
@@ -305,7 +269,6 @@ fn sim_profile_names() -> Vec<&'static str> {
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(simulate, m)?)?;
     m.add_function(wrap_pyfunction!(simulate_rl_steps, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
     Ok(())

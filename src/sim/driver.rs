@@ -18,7 +18,7 @@ mod baselines;
 mod cap;
 mod client;
 mod events;
-mod gate;
+mod gate_modes;
 pub mod mode;
 pub mod spec;
 pub mod tokens;

@@ -548,7 +548,7 @@ static void bad_configuration(void) {
     pthread_mutex_destroy(&e.mu);
 }
 
-/* The seed's acquire(session_id, prompt_ids): no max_tokens, so the working set counts the
+/* A plain acquire(session_id, prompt_ids): no max_tokens, so the working set counts the
  * config's default_max_tokens (256 by default: 16 blocks of 16 tokens). */
 static void default_max_tokens(void) {
     CHECK(sg_config_default().default_max_tokens == 256);

@@ -20,7 +20,7 @@ import sys
 import threading
 
 import pytest
-from session_gate import AdmissionPreempted, GateConfig, Lease, SessionGate
+from session_gate import AdmissionPreempted, GateConfig, Lease, SessionGate, _native
 from session_gate.probes import pack_token_ids
 from session_gate.testing import ScriptedProbe
 
@@ -497,6 +497,40 @@ def test_config_from_environment(monkeypatch):
     assert c.max_wait_sec == 3.0
     assert c.idle_grace_sec == 12.5
     assert c.hit_threshold == 0.8  # untouched knobs keep their defaults
+
+
+def test_gate_config_is_the_native_knob_tables_gate_rows():
+    rows = _native.knobs()
+    gate_rows = [r for r in rows if r["home"] == "gate_config"]
+    c = GateConfig()
+    assert list(c.to_dict()) == [r["name"] for r in gate_rows]
+    for r in gate_rows:
+        assert getattr(c, r["name"]) == r["default"], r["name"]
+        assert r["env"] == "SESSION_GATE_" + r["name"].upper()
+        assert r["doc"] and r["rule"]
+    engine = {r["name"] for r in rows if r["home"] == "engine_core"}
+    assert engine == {"lease_ttl_sec", "chain_cache_bytes"}
+    with pytest.raises(AttributeError, match="lease_ttl_sec"):
+        c.lease_ttl_sec  # noqa: B018 - an engine knob is no GateConfig attribute
+    with pytest.raises(TypeError, match="lease_ttl_sec"):
+        GateConfig(lease_ttl_sec=3.0)
+
+
+def test_engine_knobs_come_from_the_environment_through_the_table(monkeypatch):
+    monkeypatch.delenv("SESSION_GATE_LEASE_TTL_SEC", raising=False)
+    assert _native.knob_from_env("lease_ttl_sec") == 30.0
+    monkeypatch.setenv("SESSION_GATE_LEASE_TTL_SEC", " 4.5 ")
+    assert _native.knob_from_env("lease_ttl_sec") == 4.5
+    monkeypatch.setenv("SESSION_GATE_LEASE_TTL_SEC", "0")
+    with pytest.raises(ValueError, match="lease_ttl_sec.*0"):
+        _native.knob_from_env("lease_ttl_sec")
+    monkeypatch.setenv("SESSION_GATE_CHAIN_CACHE_BYTES", "1024")
+    assert _native.knob_from_env("chain_cache_bytes") == 1024
+    monkeypatch.setenv("SESSION_GATE_CHAIN_CACHE_BYTES", "-1")
+    with pytest.raises(ValueError, match="chain_cache_bytes.*-1"):
+        _native.knob_from_env("chain_cache_bytes")
+    with pytest.raises(KeyError):
+        _native.knob_from_env("no_such_knob")
 
 
 def test_invalid_environment_value_is_refused_naming_the_knob(monkeypatch):

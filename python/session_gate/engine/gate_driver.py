@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -50,26 +49,8 @@ _now = time.monotonic
 #: not put off expiries and waiter deadlines for long).
 MAX_TICK_DEFER_SEC = 0.5
 
-#: Default seconds a silent client's leases and attempts survive (env SESSION_GATE_LEASE_TTL_SEC).
-DEFAULT_LEASE_TTL_SEC = 30.0
 #: How every bad-input failure of the engine gate's methods starts (the HTTP routes answer 400).
 BAD_GATE_INPUT = "invalid engine gate input"
-
-
-def lease_ttl_from_env() -> float:
-    """``SESSION_GATE_LEASE_TTL_SEC`` (seconds, finite, > 0), or the default."""
-    raw = os.environ.get("SESSION_GATE_LEASE_TTL_SEC")
-    if raw is None or not raw.strip():
-        return DEFAULT_LEASE_TTL_SEC
-    try:
-        ttl = float(raw)
-    except ValueError:
-        ttl = math.nan
-    if not math.isfinite(ttl) or ttl <= 0:
-        raise ValueError(
-            f"SESSION_GATE_LEASE_TTL_SEC must be a positive number of seconds, got {raw!r}"
-        )
-    return ttl
 
 
 class _Timer(threading.Thread):

@@ -16,7 +16,8 @@ Answers of ``session_gate_admit`` (a dict, ``status`` first):
 - ``expired``: its client stopped calling for ``lease_ttl_sec`` (see ``gate_driver``).
 
 Knobs: ``GateConfig.from_env()`` (``SESSION_GATE_*`` in the engine's environment) and
-``SESSION_GATE_LEASE_TTL_SEC``, read once, when the first call arrives. Bad arguments raise a
+``SESSION_GATE_LEASE_TTL_SEC`` (through the native knob table, ``knob_from_env``), read once,
+when the first call arrives. Bad arguments raise a
 ``ValueError`` starting with ``BAD_GATE_INPUT`` and naming the argument; vLLM turns that into
 the call's failure message and the engine keeps serving.
 
@@ -38,7 +39,6 @@ from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
     EngineGateDriver,
-    lease_ttl_from_env,
 )
 from session_gate.engine.utility import Utility as _Utility
 
@@ -82,7 +82,11 @@ def _driver(core: EngineCore) -> EngineGateDriver:
             raise RuntimeError(f"the engine gate is unavailable: {error}")
         config = native.GateConfig.from_env()
         driver = EngineGateDriver(
-            core, _Probes(methods._state(core)), native, config, lease_ttl_from_env()
+            core,
+            _Probes(methods._state(core)),
+            native,
+            config,
+            native.knob_from_env("lease_ttl_sec"),
         )
         core.__dict__[DRIVER_ATTR] = driver
         if gate_binding.installed:

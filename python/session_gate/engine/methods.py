@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
 from typing import Any
 
@@ -31,9 +30,6 @@ from vllm.v1.request import Request
 from session_gate.engine.utility import Utility
 
 logger = logging.getLogger("session_gate")
-
-#: Default byte budget of the per-session hash-chain cache (env: SESSION_GATE_CHAIN_CACHE_BYTES).
-DEFAULT_CHAIN_CACHE_BYTES = 256 * 1024 * 1024
 
 _STATE_ATTR = "_session_gate_state"
 
@@ -78,9 +74,8 @@ class EngineState:
         self.path = "unavailable" if self.unavailable else self._choose_path(kvm)
         self.native = None
         if self.path == "native":
-            budget = int(
-                os.environ.get("SESSION_GATE_CHAIN_CACHE_BYTES", DEFAULT_CHAIN_CACHE_BYTES)
-            )
+            # SESSION_GATE_CHAIN_CACHE_BYTES, or its default, from the native knob table.
+            budget = native.knob_from_env("chain_cache_bytes")
             self.native = native.ProbeEngine(
                 self.hash_algo,
                 kv_cache_utils.NONE_HASH,

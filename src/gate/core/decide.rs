@@ -17,7 +17,7 @@ impl GateCore {
         let hw = self.cfg.high_watermark;
         match self.cfg.pressure {
             Pressure::Engine => {
-                // Unknown usage: assume pressure, the seed's safe side.
+                // Unknown usage: assume pressure, the safe side.
                 if usage.is_some_and(|u| u < hw) && fifo_ok {
                     return Step::Admit(Reason::Open);
                 }

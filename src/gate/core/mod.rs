@@ -53,7 +53,7 @@
 //! session's grown working set would revoke it, idle rooms that may yield are dropped first if
 //! that lets it keep its own.
 //!
-//! **Engine** (the seed, literally): usage < watermark and FIFO allows it → `open`; else a
+//! **Engine** (the original design's rule, literally): usage < watermark and FIFO allows it → `open`; else a
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
 //! 4. `open` takes no reservation unless the session already holds one; admissions under
 //! pressure take one when `retain_session` is set; nothing is revoked.
@@ -234,7 +234,7 @@ impl GateCore {
     /// session that are not admitted yet are preempted: their next poll answers
     /// [`Action::Preempted`], and this attempt takes over their place in the FIFO.
     ///
-    /// `max_tokens` is the turn's output budget (a number, or `None` for the seed's
+    /// `max_tokens` is the turn's output budget (a number, or `None` for a plain
     /// `acquire(session_id, prompt_ids)`: the working set then counts
     /// [`GateConfig::default_max_tokens`]).
     pub fn begin(

@@ -15,7 +15,7 @@ use crate::sim::{BlockHash, Replica};
 use super::baselines::{AimdMode, PauseMode};
 use super::cap::CapMode;
 use super::client::Client;
-use super::gate::GateMode;
+use super::gate_modes::GateMode;
 
 /// A session's index in the workload.
 pub type SessionIx = usize;

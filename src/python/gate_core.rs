@@ -1,4 +1,5 @@
-//! The gate core for Python: `GateConfig`, `GateCore` and the actions `GateCore.poll` returns.
+//! The gate core for Python: `GateCore` and the actions `GateCore.poll` returns (its knobs,
+//! `GateConfig`, are in [`super::knobs`]).
 //!
 //! This is a thin skin over [`crate::gate::GateCore`]: it converts numbers and strings and holds
 //! no state or policy of its own. The asyncio driver (`session_gate/gate.py`) carries out the
@@ -9,155 +10,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
 
 use super::guard::no_panic;
+use super::knobs::PyGateConfig;
 use crate::error::Error;
 use crate::gate::metrics::{GateStats, Histogram};
 use crate::gate::{
     self, Action, Admission, AttemptId, LeaseId, PrefixReport, ProbeKind, Reason, UsageReport,
 };
-
-/// The gate's knobs, validated by Rust; immutable once built.
-#[pyclass(name = "GateConfig", module = "session_gate._native", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub(crate) struct PyGateConfig {
-    inner: gate::GateConfig,
-}
-
-#[pymethods]
-impl PyGateConfig {
-    /// Knobs by keyword; an omitted knob keeps the seed's default (the defaults live once, in
-    /// Rust's `GateConfig::default`). Invalid values raise `ValueError` naming knob and value.
-    #[new]
-    #[pyo3(signature = (
-        *,
-        high_watermark=None,
-        hit_threshold=None,
-        wait_poll_sec=None,
-        idle_grace_sec=None,
-        pressure=None,
-        max_wait_sec=None,
-        probe_timeout_sec=None,
-        default_max_tokens=None,
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        high_watermark: Option<f64>,
-        hit_threshold: Option<f64>,
-        wait_poll_sec: Option<f64>,
-        idle_grace_sec: Option<f64>,
-        pressure: Option<&str>,
-        max_wait_sec: Option<f64>,
-        probe_timeout_sec: Option<f64>,
-        default_max_tokens: Option<usize>,
-    ) -> PyResult<Self> {
-        no_panic("GateConfig()", || {
-            let d = gate::GateConfig::default();
-            let inner = gate::GateConfig {
-                high_watermark: high_watermark.unwrap_or(d.high_watermark),
-                hit_threshold: hit_threshold.unwrap_or(d.hit_threshold),
-                wait_poll_sec: wait_poll_sec.unwrap_or(d.wait_poll_sec),
-                idle_grace_sec: idle_grace_sec.unwrap_or(d.idle_grace_sec),
-                pressure: pressure
-                    .map(gate::Pressure::from_name)
-                    .transpose()?
-                    .unwrap_or(d.pressure),
-                max_wait_sec: max_wait_sec.or(d.max_wait_sec),
-                probe_timeout_sec: probe_timeout_sec.unwrap_or(d.probe_timeout_sec),
-                default_max_tokens: default_max_tokens.unwrap_or(d.default_max_tokens),
-            };
-            inner.validate()?;
-            Ok(Self { inner })
-        })
-    }
-
-    /// Defaults overridden by the `SESSION_GATE_*` environment variables, validated.
-    #[staticmethod]
-    fn from_env() -> PyResult<Self> {
-        no_panic("GateConfig.from_env", || {
-            Ok(Self {
-                inner: gate::GateConfig::from_env()?,
-            })
-        })
-    }
-
-    #[getter]
-    fn high_watermark(&self) -> f64 {
-        self.inner.high_watermark
-    }
-
-    #[getter]
-    fn hit_threshold(&self) -> f64 {
-        self.inner.hit_threshold
-    }
-
-    #[getter]
-    fn wait_poll_sec(&self) -> f64 {
-        self.inner.wait_poll_sec
-    }
-
-    #[getter]
-    fn idle_grace_sec(&self) -> f64 {
-        self.inner.idle_grace_sec
-    }
-
-    #[getter]
-    fn pressure(&self) -> &'static str {
-        self.inner.pressure.as_str()
-    }
-
-    #[getter]
-    fn max_wait_sec(&self) -> Option<f64> {
-        self.inner.max_wait_sec
-    }
-
-    #[getter]
-    fn probe_timeout_sec(&self) -> f64 {
-        self.inner.probe_timeout_sec
-    }
-
-    #[getter]
-    fn default_max_tokens(&self) -> usize {
-        self.inner.default_max_tokens
-    }
-
-    /// Every knob by name, e.g. for logging the configuration a run used.
-    fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = &self.inner;
-        let d = PyDict::new(py);
-        d.set_item("high_watermark", c.high_watermark)?;
-        d.set_item("hit_threshold", c.hit_threshold)?;
-        d.set_item("wait_poll_sec", c.wait_poll_sec)?;
-        d.set_item("idle_grace_sec", c.idle_grace_sec)?;
-        d.set_item("pressure", c.pressure.as_str())?;
-        d.set_item("max_wait_sec", c.max_wait_sec)?;
-        d.set_item("probe_timeout_sec", c.probe_timeout_sec)?;
-        d.set_item("default_max_tokens", c.default_max_tokens)?;
-        Ok(d)
-    }
-
-    fn __repr__(&self) -> String {
-        let c = &self.inner;
-        let max_wait = py_opt(c.max_wait_sec);
-        format!(
-            "GateConfig(high_watermark={:?}, hit_threshold={:?}, wait_poll_sec={:?}, \
-             idle_grace_sec={:?}, pressure='{}', max_wait_sec={max_wait}, probe_timeout_sec={:?}, \
-             default_max_tokens={})",
-            c.high_watermark,
-            c.hit_threshold,
-            c.wait_poll_sec,
-            c.idle_grace_sec,
-            c.pressure.as_str(),
-            c.probe_timeout_sec,
-            c.default_max_tokens,
-        )
-    }
-}
-
-impl PyGateConfig {
-    /// The Rust knobs, for other bindings that run a gate core (the twin).
-    pub(crate) fn inner(&self) -> &gate::GateConfig {
-        &self.inner
-    }
-}
 
 /// Action: call the probe's `usage()`, then `GateCore.on_usage` (or `on_usage_unavailable`).
 #[pyclass(module = "session_gate._native", frozen)]
@@ -306,7 +164,7 @@ impl PyGateCore {
     #[new]
     #[pyo3(signature = (config=None))]
     fn new(py: Python<'_>, config: Option<PyRef<'_, PyGateConfig>>) -> PyResult<Self> {
-        let cfg = config.map(|c| c.inner.clone()).unwrap_or_default();
+        let cfg = config.map(|c| c.inner().clone()).unwrap_or_default();
         no_panic("GateCore()", || {
             Ok(Self {
                 core: gate::GateCore::new(cfg)?,
@@ -320,9 +178,7 @@ impl PyGateCore {
     /// The knobs this core runs with.
     #[getter]
     fn config(&self) -> PyGateConfig {
-        PyGateConfig {
-            inner: self.core.config().clone(),
-        }
+        PyGateConfig::new_inner(self.core.config().clone())
     }
 
     /// Starts an attempt for one turn; returns its id. Preempts the session's older attempt.
@@ -575,7 +431,6 @@ fn histogram_dict<'py, const N: usize>(
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyGateConfig>()?;
     m.add_class::<PyGateCore>()?;
     m.add_class::<ProbeUsage>()?;
     m.add_class::<ProbePrefix>()?;

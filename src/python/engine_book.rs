@@ -18,8 +18,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple};
 
-use super::gate::{PyGateConfig, stats_dict};
+use super::gate_core::stats_dict;
 use super::guard::no_panic;
+use super::knobs::PyGateConfig;
 use super::tokens::{TokenLimits, read_prompt};
 use crate::error::Error;
 use crate::gate::book::{Answer, BookProbes, EngineBook, Resolved};
