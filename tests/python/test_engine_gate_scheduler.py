@@ -174,7 +174,7 @@ def test_a_held_request_waits_in_the_queue_and_runs_once_admitted(url):
     after = settled(url)["scheduler"]
     assert after["held"] == before["held"] + 1, after
     assert after["admitted"] == before["admitted"] + 1, after
-    assert after["max_wait"] == before["max_wait"], f"admitted by max_wait, not the release: {after}"
+    assert after["max_wait"] == before["max_wait"], f"admitted by max_wait, not release: {after}"
 
 
 def test_a_hold_past_max_wait_is_scheduled_with_reason_max_wait(url):
