@@ -97,7 +97,7 @@ def test_admitted_now_runs_now_and_its_lease_is_released_when_freed():
     driver._book.answers.append(admitted(7))
     r = request("a")
     assert gate.ready(r) is True
-    assert driver._book.admits == [("s", "sched:a", SCHEDULER_CLIENT, 16)]
+    assert driver._book.admits == [("s", "sched:0", SCHEDULER_CLIENT, 16)]
     assert gate.ready(r) is True  # preempted and re-queued by vLLM: not gated again
     assert len(driver._book.admits) == 1
     gate.on_free(r)
@@ -129,7 +129,7 @@ def test_an_aborted_hold_cancels_its_admit_and_leaves_nothing():
     r = request("a")
     assert gate.ready(r) is False
     gate.on_free(r)
-    assert driver._book.cancelled == ["sched:a"]
+    assert driver._book.cancelled == ["sched:0"]
     assert driver.released == []
     s = gate.stats()
     assert (s["aborted_while_held"], s["holding"], s["leases"]) == (1, 0, 0)
@@ -147,7 +147,7 @@ def test_a_later_request_of_a_held_session_waits_behind_it_without_an_admit():
     first.set_result(admitted(1))
     assert gate.ready(a) is True
     assert gate.ready(b) is True
-    assert [t for _, t, _, _ in driver._book.admits] == ["sched:a", "sched:b"]
+    assert [t for _, t, _, _ in driver._book.admits] == ["sched:0", "sched:1"]
     assert gate.stats()["held_behind_session"] == 1
 
 
@@ -190,3 +190,13 @@ def test_prometheus_text_names_every_counter():
     assert 'session_gate_scheduler_admitted_total{reason="open"} 1' in text
     for name in ("gated_total", "held_total", "max_wait_total", "aborted_while_held_total"):
         assert f"session_gate_scheduler_{name} " in text
+
+
+def test_tickets_do_not_depend_on_request_ids_clients_choose():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    driver._book.answers += [admitted(1), admitted(2)]
+    assert gate.ready(request("r" * 1000, "s1")) is True
+    assert gate.ready(request("r", "s2")) is True
+    assert [t for _, t, _, _ in driver._book.admits] == ["sched:0", "sched:1"]
+    assert gate.stats()["bad_session_ids"] == 0

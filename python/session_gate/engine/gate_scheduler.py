@@ -58,6 +58,7 @@ a held request one dict lookup and a ``Future.done()`` per step; a gated request
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -111,13 +112,14 @@ def gate_config(native: Any, config: Any) -> Any:
 
 
 class _Held:
-    """A request the gate has not admitted yet: its admit's ``Future`` and when it began."""
+    """A request the gate has not admitted yet: its admit's ``Future``, ticket and start."""
 
-    __slots__ = ("future", "session_id", "since")
+    __slots__ = ("future", "session_id", "ticket", "since")
 
-    def __init__(self, future: Future, session_id: str, since: float) -> None:
+    def __init__(self, future: Future, session_id: str, ticket: str, since: float) -> None:
         self.future = future
         self.session_id = session_id
+        self.ticket = ticket
         self.since = since
 
 
@@ -136,6 +138,9 @@ class SchedulerGate:
         self._held_sessions: dict[str, str] = {}
         #: Held requests with no admit yet (behind another request of their session).
         self._queued: set[str] = set()
+        #: Tickets are numbered, not named after request ids (which clients may choose, and
+        #: which may be longer than the book accepts).
+        self._tickets = itertools.count()
         self.counters: Counter[str] = Counter()
         self.admitted_by_reason: Counter[str] = Counter()
 
@@ -172,14 +177,10 @@ class SchedulerGate:
             return False
         self._queued.discard(rid)
         max_tokens = params.max_tokens if params.max_tokens is not None else 0
+        ticket = f"sched:{next(self._tickets)}"
         try:
             answer = self._book.admit(
-                session_id,
-                tokens,
-                max_tokens,
-                True,
-                f"sched:{rid}",
-                SCHEDULER_CLIENT,
+                session_id, tokens, max_tokens, True, ticket, SCHEDULER_CLIENT
             )
         except (TypeError, ValueError) as exc:
             # An id (or prompt) the book refuses: scheduled as if it carried no id.
@@ -196,7 +197,7 @@ class SchedulerGate:
         if isinstance(answer, Future):
             if answer.done():
                 return self._answered(rid, None, answer.result())
-            self._held[rid] = _Held(answer, session_id, _now())
+            self._held[rid] = _Held(answer, session_id, ticket, _now())
             self._held_sessions[session_id] = rid
             self.counters["held"] += 1
             return False
@@ -244,7 +245,7 @@ class SchedulerGate:
         self.counters["aborted_while_held"] += 1
         # Withdraws the attempt; if the admission raced this abort (answered, not yet read by
         # the scheduler) the book releases the lease it granted.
-        self._book.cancel(f"sched:{rid}", SCHEDULER_CLIENT, _now())
+        self._book.cancel(held.ticket, SCHEDULER_CLIENT, _now())
 
     # -- the driver's tick (engine thread) --------------------------------------------------
 

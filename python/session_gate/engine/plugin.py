@@ -16,7 +16,8 @@ _registered = False
 
 def register() -> None:
     """Add the session_gate utility methods (probes, then the engine gate) to vLLM's
-    ``EngineCore`` (once per process)."""
+    ``EngineCore``, and with ``SESSION_GATE_SCHEDULER=session-id`` the gate in its scheduler
+    (``gate_scheduler``), once per process."""
     global _registered
     if _registered:
         return
