@@ -53,7 +53,8 @@ its Prometheus text (``?format=prometheus``) as ``session_gate_scheduler_*``.
 
 Cost. Off: nothing is wrapped. On: a request without an id costs one attribute read per look;
 a held request one dict lookup and a ``Future.done()`` per step; a gated request one admit
-(the native book's, with the prefix walk) when first seen.
+(the native book's, with the prefix walk) when first seen. While a request is held vLLM keeps
+stepping (it has an unfinished request), as it does for requests that wait for remote KV.
 """
 
 from __future__ import annotations
