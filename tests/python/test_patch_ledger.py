@@ -26,3 +26,14 @@ def test_ledger_symbol_resolves(check):
         # An attribute the class sets on its instances: it must appear in __init__ or slots.
         source = inspect.getsource(obj.__init__)
         assert f"self.{instance_attr}" in source or instance_attr in getattr(obj, "__slots__", ())
+
+
+def test_scheduler_mode_wraps_the_signatures_it_spells_out():
+    """``gate_scheduler`` wraps ``_handle_blocked_waiting_request(self, request)`` with that
+    very signature, and reads the ``session_id`` that ``AsyncLLM.generate`` takes."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    handle = inspect.signature(Scheduler._handle_blocked_waiting_request)
+    assert list(handle.parameters) == ["self", "request"]
+    assert "session_id" in inspect.signature(AsyncLLM.generate).parameters

@@ -33,6 +33,8 @@ LEASE_KEY = "session_gate_lease"
 installed = False
 #: Where the engine core's scheduler keeps its engine gate driver (set when the driver is built).
 SCHEDULER_DRIVER_ATTR = "_session_gate_driver"
+#: Where it keeps its scheduler-mode gate (``gate_scheduler.SCHEDULER_GATE_ATTR``).
+SCHEDULER_GATE_ATTR = "_session_gate_scheduler_gate"
 
 
 def bind(sampling_params: Any, lease: int) -> bool:
@@ -59,6 +61,9 @@ def _wrap_free_request(original: Any) -> Any:
         params = request.sampling_params
         if params is not None and params.extra_args:
             _release_bound(self, params.extra_args)
+        gate = self.__dict__.get(SCHEDULER_GATE_ATTR)
+        if gate is not None:  # scheduler mode (gate_scheduler): its lease or its held admit
+            _free_scheduled(gate, request)
         return result
 
     _free_request.__wrapped__ = original  # type: ignore[attr-defined]
@@ -77,6 +82,14 @@ def _release_bound(scheduler: Any, extra_args: dict[str, Any]) -> None:
     except Exception:  # noqa: BLE001 - never take the scheduler down
         driver.counters["tick_errors"] += 1
         logger.exception("session_gate: releasing lease %r bound to a request failed", lease)
+
+
+def _free_scheduled(gate: Any, request: Any) -> None:
+    try:
+        gate.on_free(request)
+    except Exception:  # noqa: BLE001 - never take the scheduler down
+        gate.counters["errors"] += 1
+        logger.exception("session_gate: freeing the scheduler's hold of %r failed", request)
 
 
 def install() -> bool:

@@ -135,6 +135,9 @@ class EngineGateDriver:
         self.binds_requests = False
         #: ``gate_splits.Splits`` while ``SESSION_GATE_LOOP_SPLITS=1`` times the calls.
         self.loop_splits: Any = None
+        #: ``gate_scheduler.SchedulerGate`` in scheduler mode: its counters join the stats, and
+        #: it renews its client before each tick.
+        self.scheduler_gate: Any = None
         #: Set by the timer thread; the engine thread ticks when it sees it.
         self.due = False
         #: When a due tick was first put off for queued requests (``tick_when_settled``).
@@ -184,6 +187,8 @@ class EngineGateDriver:
         s["engine_gate"].update(self.counters)
         if self.loop_splits is not None:
             s["engine_gate"]["loop_splits"] = self.loop_splits.summary()
+        if self.scheduler_gate is not None:
+            s["scheduler"] = self.scheduler_gate.stats()
         return s
 
     def prometheus(self) -> str:
@@ -205,6 +210,8 @@ class EngineGateDriver:
         for name, (kind, value, text) in extra.items():
             metric = f"session_gate_engine_{name}"
             lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
+        if self.scheduler_gate is not None:
+            lines.append(self.scheduler_gate.prometheus().rstrip("\n"))
         return "\n".join(lines) + "\n"
 
     # -- timers (engine thread) -------------------------------------------------------------
@@ -235,7 +242,10 @@ class EngineGateDriver:
         self._due_since = None
         try:
             self.counters["ticks"] += 1
-            for cid, silent, leases, attempts in self._book.tick(_now()):
+            now = _now()
+            if self.scheduler_gate is not None:
+                self.scheduler_gate.keep_alive(now)
+            for cid, silent, leases, attempts in self._book.tick(now):
                 # A client that closed cleanly holds nothing: only a dead holder is worth a
                 # warning.
                 logger.log(

@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import gate_binding, gate_splits, methods
+from session_gate.engine import gate_binding, gate_scheduler, gate_splits, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -80,7 +80,7 @@ def _driver(core: EngineCore) -> EngineGateDriver:
         native, error = methods._load_native()
         if native is None:
             raise RuntimeError(f"the engine gate is unavailable: {error}")
-        config = native.GateConfig.from_env()
+        config = gate_scheduler.gate_config(native, native.GateConfig.from_env())
         driver = EngineGateDriver(
             core,
             _Probes(methods._state(core)),
@@ -92,6 +92,8 @@ def _driver(core: EngineCore) -> EngineGateDriver:
         if gate_binding.installed:
             gate_binding.attach(getattr(core, "scheduler", None), driver)
             driver.binds_requests = True
+        if gate_scheduler.installed:  # SESSION_GATE_SCHEDULER=session-id
+            gate_scheduler.attach(getattr(core, "scheduler", None), driver)
         logger.info(
             "session_gate: engine gate up (%r, lease TTL %.1f s)", config, driver.lease_ttl_sec
         )

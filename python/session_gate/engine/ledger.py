@@ -174,6 +174,47 @@ LEDGER: tuple[Patch, ...] = (
         checks=("vllm.sampling_params:SamplingParams.extra_args",),
     ),
     Patch(
+        symbol="vllm.v1.core.sched.scheduler.Scheduler._handle_blocked_waiting_request",
+        how="wrapped once in the engine core process, only with SESSION_GATE_SCHEDULER="
+        "session-id (gate_scheduler): vLLM's own check runs first; when it says the request may "
+        "proceed and the request carries a session_id, the engine gate's book decides, and a "
+        "held request answers False. vLLM then skips it for this step (schedule()'s "
+        "skip_request: into deferred_waiting, prepended back to its queue in order) and asks "
+        "again next step. A request without a session_id costs one attribute read",
+        why="the one place schedule() asks whether a waiting request may start this step, and "
+        "the way vLLM itself holds requests that wait for remote KV or a grammar: a held turn "
+        "keeps its place in vLLM's own waiting queue, with no client protocol",
+        removable_when="vLLM offers a plugin hook that admits or defers waiting requests",
+        checks=(
+            "vllm.v1.core.sched.scheduler:Scheduler._handle_blocked_waiting_request",
+            "vllm.v1.core.sched.scheduler:Scheduler.schedule",
+            "vllm.v1.core.sched.scheduler:Scheduler#deferred_waiting",
+            "vllm.v1.request:Request#session_id",
+            "vllm.v1.request:Request#prompt_token_ids",
+        ),
+    ),
+    Patch(
+        symbol="vllm.v1.engine.core.EngineCore.add_request",
+        how="wrapped once, only in scheduler mode: on an engine core's first request it builds "
+        "the engine gate (if no utility call did) and its scheduler's gate, then forwards; "
+        "later requests cost one dict lookup",
+        why="scheduler mode needs the gate before the first request is scheduled, and plugins "
+        "load inside EngineCore.__init__, before the hash root exists (the probe reads it)",
+        removable_when="vLLM offers an engine-core-ready hook for plugins",
+        checks=("vllm.v1.engine.core:EngineCore.add_request",),
+    ),
+    Patch(
+        symbol="EngineCoreRequest.session_id / Request.session_id (read only)",
+        how="read by the scheduler's gate; set by vLLM from the body field session_id, the "
+        "X-Session-ID header or vllm_xargs (OpenAI server) and AsyncLLM.generate(session_id=)",
+        why="the session identity vLLM already carries to the engine core keys the gate",
+        removable_when="never: it is vLLM's own session identity",
+        checks=(
+            "vllm.v1.engine:EngineCoreRequest.session_id",
+            "vllm.v1.engine.async_llm:AsyncLLM.generate",
+        ),
+    ),
+    Patch(
         symbol="vllm.v1.engine.core.EngineCore.post_step",
         how="wrapped once: the original runs, then the engine gate ticks if its timer is due "
         "(one dict lookup and one attribute read per step otherwise)",

@@ -16,7 +16,8 @@ _registered = False
 
 def register() -> None:
     """Add the session_gate utility methods (probes, then the engine gate) to vLLM's
-    ``EngineCore`` (once per process)."""
+    ``EngineCore``, and with ``SESSION_GATE_SCHEDULER=session-id`` the gate in its scheduler
+    (``gate_scheduler``), once per process."""
     global _registered
     if _registered:
         return
@@ -33,3 +34,10 @@ def register() -> None:
         install_gate()
     except Exception as exc:  # the probes stay up without the engine gate
         logger.warning("session_gate: engine gate disabled, vLLM serves without it: %r", exc)
+        return
+    try:
+        from session_gate.engine.gate_scheduler import install as install_scheduler
+
+        install_scheduler()
+    except Exception as exc:  # a bad SESSION_GATE_SCHEDULER: the other doors stay up
+        logger.error("session_gate: scheduler mode disabled, requests are not gated: %s", exc)

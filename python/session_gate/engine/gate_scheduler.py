@@ -1,0 +1,393 @@
+"""Scheduler mode of the engine gate: vLLM's own scheduler asks the gate before it starts a
+waiting request that carries a session id, so every client is gated with nothing to change but
+the id it already sends.
+
+The setting. ``SESSION_GATE_SCHEDULER`` in the environment of ``vllm serve`` (or of the process
+that builds an ``AsyncLLM``): ``off`` (the default) or ``session-id``. ``infer`` (sessions
+inferred for requests that carry no id) is not built yet and is refused, like any other value,
+with an error that names the variable: the plugin then logs it and serves without the gate.
+
+Where the id comes from. vLLM 0.32+ carries a session identity to the engine core: the OpenAI
+server reads the body field ``session_id`` (chat, completions, responses), else the
+``X-Session-ID`` header, else ``vllm_xargs.session_id``; ``AsyncLLM.generate(...,
+session_id=...)`` takes it; ``EngineCoreRequest`` and the scheduler's ``Request`` hold it as
+``session_id``. Empty ids are dropped by vLLM's server (they count as no id here too).
+
+What is held. When the scheduler looks at a waiting request, vLLM's
+``Scheduler._handle_blocked_waiting_request`` says whether it may proceed this step (it is how
+vLLM skips a request that waits for remote KV or a grammar). It is wrapped once: when vLLM says
+yes and the request carries a session id, the engine gate's book (the same ``EngineGateBook``,
+core, knobs and reasons as the lease doors: ``gate_driver``) decides, with the request's prompt
+token ids and ``max_tokens``. Admitted now: the request is scheduled in this very step and holds
+the lease. Otherwise the request is *held*: vLLM skips it for this step, which leaves it where it
+was in the waiting queue (not refused, not re-queued at the back; vLLM counts it among its
+skipped waiting requests), and every later step looks at the admit's answer again (a ``done()``
+read) until the gate admits it; it is then scheduled in the first step after. Requests without
+an id, pooling requests, and prompts given as embeddings are never gated. While a request of a
+session is held, later requests of the same session wait behind it without an admit of their own
+(a second admit would take over the first's attempt: the core keeps one pending attempt per
+session). A request vLLM preempts and re-queues keeps its lease and is not gated again.
+
+Release. The lease is released when vLLM frees the request (``Scheduler._free_request``, wrapped
+by ``gate_binding``: finished, stopped, or aborted). A held request that is aborted (its HTTP
+client went away, ``AsyncLLM.abort``) cancels its attempt: it leaves no reservation; a lease that
+raced the abort is released by the cancel. The leases belong to one client of the book,
+``SCHEDULER_CLIENT``, which this module renews on the driver's ticks while it holds anything, so
+the lease TTL never drops a running request's lease.
+
+``max_wait`` bounds every hold. In this mode ``SESSION_GATE_MAX_WAIT_SEC`` defaults to
+``DEFAULT_MAX_WAIT_SEC`` (120 s) when it is unset or ``off``: a request held that long is
+admitted anyway with reason ``max_wait`` and scheduled, so a turn never starves. (The lease doors
+share the book, so the bound applies to their admits too.)
+
+Bad ids. vLLM passes the header's bytes through (latin-1 decoded): any non-empty id is a
+``str``. An id the book refuses (longer than 256 characters) is not gated: the request is
+scheduled as if it had no id and counted under ``bad_session_ids``; the engine core never fails
+on an id.
+
+Data parallelism: every engine core has its own scheduler and so its own gate, which sees only
+the requests routed to it.
+
+Counters: ``session_gate_stats`` (``/session_gate/v1/stats``) has them under ``scheduler``, and
+its Prometheus text (``?format=prometheus``) as ``session_gate_scheduler_*``.
+
+Cost. Off: nothing is wrapped. On: a request without an id costs one attribute read per look;
+a held request one dict lookup and a ``Future.done()`` per step; a gated request one admit
+(the native book's, with the prefix walk) when first seen. While a request is held vLLM keeps
+stepping (it has an unfinished request), as it does for requests that wait for remote KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from concurrent.futures import Future
+from typing import Any
+
+from session_gate.engine import gate_binding
+
+logger = logging.getLogger("session_gate")
+
+_now = time.monotonic
+
+#: The setting and its values.
+ENV = "SESSION_GATE_SCHEDULER"
+OFF = "off"
+SESSION_ID = "session-id"
+#: ``max_wait_sec`` of the book in this mode when ``SESSION_GATE_MAX_WAIT_SEC`` sets none.
+DEFAULT_MAX_WAIT_SEC = 120.0
+#: The book's client that holds the scheduler's leases and attempts.
+SCHEDULER_CLIENT = "session_gate-scheduler"
+#: Where the scheduler keeps its gate (set by :func:`attach`).
+SCHEDULER_GATE_ATTR = gate_binding.SCHEDULER_GATE_ATTR
+
+#: Whether this process's ``Scheduler`` and ``EngineCore`` are wrapped.
+installed = False
+
+
+def mode_from_env() -> str:
+    """``SESSION_GATE_SCHEDULER``: ``off`` (unset or blank too) or ``session-id``; any other
+    value raises ``ValueError`` naming the variable and the value."""
+    raw = os.environ.get(ENV)
+    value = (raw or "").strip().lower()
+    if value in ("", OFF):
+        return OFF
+    if value == SESSION_ID:
+        return SESSION_ID
+    if value == "infer":
+        raise ValueError(
+            f"{ENV}={raw!r}: session inference is not built yet; use {SESSION_ID!r} or {OFF!r}"
+        )
+    raise ValueError(f"{ENV} must be {OFF!r} or {SESSION_ID!r}, got {raw!r}")
+
+
+def gate_config(native: Any, config: Any) -> Any:
+    """The book's config in this process: ``config`` itself, except that in scheduler mode a
+    config without ``max_wait_sec`` gets :data:`DEFAULT_MAX_WAIT_SEC` (every hold is bounded)."""
+    if not installed or config.max_wait_sec is not None:
+        return config
+    return native.GateConfig(**{**config.to_dict(), "max_wait_sec": DEFAULT_MAX_WAIT_SEC})
+
+
+class _Held:
+    """A request the gate has not admitted yet: its admit's ``Future``, ticket and start."""
+
+    __slots__ = ("future", "session_id", "ticket", "since")
+
+    def __init__(self, future: Future, session_id: str, ticket: str, since: float) -> None:
+        self.future = future
+        self.session_id = session_id
+        self.ticket = ticket
+        self.since = since
+
+
+class SchedulerGate:
+    """The gate of one engine core's scheduler, over that core's ``EngineGateDriver``.
+
+    ``_decided`` maps a request id to its lease (an int) or ``None`` (scheduled ungated);
+    ``_held`` maps a request id to its pending admit; ``_held_sessions`` a session to the
+    request id whose admit is pending."""
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+        self._book = driver._book
+        self._decided: dict[str, int | None] = {}
+        self._held: dict[str, _Held] = {}
+        self._held_sessions: dict[str, str] = {}
+        #: Held requests with no admit yet (behind another request of their session).
+        self._queued: set[str] = set()
+        #: Tickets are numbered, not named after request ids (which clients may choose, and
+        #: which may be longer than the book accepts).
+        self._tickets = itertools.count()
+        self.counters: Counter[str] = Counter()
+        self.admitted_by_reason: Counter[str] = Counter()
+
+    # -- the scheduler's question (engine thread) -------------------------------------------
+
+    def ready(self, request: Any) -> bool:
+        """Whether ``request`` (which carries a session id) may be scheduled now."""
+        rid = request.request_id
+        if rid in self._decided:
+            return True
+        held = self._held.get(rid)
+        if held is not None:
+            if not held.future.done():
+                return False
+            return self._answered(rid, held, held.future.result())
+        return self._first_look(request, rid)
+
+    def _first_look(self, request: Any, rid: str) -> bool:
+        session_id = request.session_id
+        params = request.sampling_params
+        tokens = request.prompt_token_ids
+        if not isinstance(session_id, str) or params is None or not tokens:
+            self._decided[rid] = None
+            self.counters["ungated"] += 1
+            return True
+        owner = self._held_sessions.get(session_id)
+        if owner is not None and owner != rid:
+            # Behind a pending admit of its own session: a second admit would take over that
+            # attempt (one pending attempt per session), so it waits without one.
+            if rid not in self._queued:
+                self._queued.add(rid)
+                self.counters["held"] += 1
+                self.counters["held_behind_session"] += 1
+            return False
+        self._queued.discard(rid)
+        max_tokens = params.max_tokens if params.max_tokens is not None else 0
+        ticket = f"sched:{next(self._tickets)}"
+        try:
+            answer = self._book.admit(
+                session_id, tokens, max_tokens, True, ticket, SCHEDULER_CLIENT
+            )
+        except (TypeError, ValueError) as exc:
+            # An id (or prompt) the book refuses: scheduled as if it carried no id.
+            self._decided[rid] = None
+            self.counters["bad_session_ids"] += 1
+            logger.debug("session_gate: request %s not gated: %s", rid, exc)
+            return True
+        except Exception:  # noqa: BLE001 - never take the scheduler down
+            self._decided[rid] = None
+            self.counters["errors"] += 1
+            logger.exception("session_gate: the scheduler's admit of %s failed", rid)
+            return True
+        self.counters["gated"] += 1
+        if isinstance(answer, Future):
+            if answer.done():
+                return self._answered(rid, None, answer.result())
+            self._held[rid] = _Held(answer, session_id, ticket, _now())
+            self._held_sessions[session_id] = rid
+            self.counters["held"] += 1
+            return False
+        return self._answered(rid, None, answer)
+
+    def _answered(self, rid: str, held: _Held | None, answer: dict[str, Any]) -> bool:
+        if held is not None:
+            del self._held[rid]
+            if self._held_sessions.get(held.session_id) == rid:
+                del self._held_sessions[held.session_id]
+            self.counters["hold_ms_total"] += int((_now() - held.since) * 1000)
+        status = answer.get("status")
+        if status == "admitted":
+            reason = str(answer.get("reason"))
+            self._decided[rid] = int(answer["lease"])
+            self.counters["admitted"] += 1
+            self.admitted_by_reason[reason] += 1
+            if reason == "max_wait":
+                self.counters["max_wait"] += 1
+        else:  # preempted by another door's admit of the session, cancelled, expired
+            self._decided[rid] = None
+            self.counters[f"ungated_{status}"] += 1
+        return True
+
+    # -- vLLM frees the request (engine thread, from gate_binding) -------------------------
+
+    def on_free(self, request: Any) -> None:
+        """Releases the request's lease, or withdraws its pending admit (an aborted hold)."""
+        rid = request.request_id
+        if rid in self._decided:
+            lease = self._decided.pop(rid)
+            if lease is not None:
+                self._driver.release_bound(lease)
+            return
+        if self._queued:
+            if rid in self._queued:
+                self._queued.discard(rid)
+                self.counters["aborted_while_held"] += 1
+                return
+        held = self._held.pop(rid, None)
+        if held is None:
+            return
+        if self._held_sessions.get(held.session_id) == rid:
+            del self._held_sessions[held.session_id]
+        self.counters["aborted_while_held"] += 1
+        # Withdraws the attempt; if the admission raced this abort (answered, not yet read by
+        # the scheduler) the book releases the lease it granted.
+        self._book.cancel(held.ticket, SCHEDULER_CLIENT, _now())
+
+    # -- the driver's tick (engine thread) --------------------------------------------------
+
+    def keep_alive(self, now: float) -> None:
+        """Renews the scheduler's client while it holds leases or attempts: the requests are
+        alive as long as vLLM has them, whatever the lease TTL."""
+        if self._held or any(lease is not None for lease in self._decided.values()):
+            self._book.renew(SCHEDULER_CLIENT, now)
+
+    # -- counters ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            key: self.counters[key]
+            for key in (
+                "gated",
+                "held",
+                "held_behind_session",
+                "admitted",
+                "max_wait",
+                "aborted_while_held",
+                "ungated",
+                "bad_session_ids",
+                "ungated_preempted",
+                "ungated_cancelled",
+                "ungated_expired",
+                "errors",
+                "hold_ms_total",
+            )
+        }
+        out["mode"] = SESSION_ID
+        out["holding"] = len(self._held) + len(self._queued)
+        out["leases"] = sum(1 for lease in self._decided.values() if lease is not None)
+        out["admitted_by_reason"] = dict(self.admitted_by_reason)
+        return out
+
+    def prometheus(self) -> str:
+        s = self.stats()
+        by_reason = sorted(s["admitted_by_reason"].items()) or [("none", 0)]
+        rows = [
+            ("gated_total", "counter", "Requests the scheduler asked the gate about", s["gated"]),
+            ("held_total", "counter", "Requests held in vLLM's waiting queue", s["held"]),
+            ("max_wait_total", "counter", "Holds ended by max_wait", s["max_wait"]),
+            (
+                "aborted_while_held_total",
+                "counter",
+                "Held requests aborted before their admission",
+                s["aborted_while_held"],
+            ),
+            (
+                "bad_session_ids_total",
+                "counter",
+                "Requests not gated because the book refused their id",
+                s["bad_session_ids"],
+            ),
+            ("holding", "gauge", "Requests held now", s["holding"]),
+            ("leases", "gauge", "Leases of the requests the scheduler admitted", s["leases"]),
+        ]
+        metric = "session_gate_scheduler_admitted_total"
+        lines = [
+            f"# HELP {metric} Requests the gate admitted in the scheduler, by reason",
+            f"# TYPE {metric} counter",
+            *(f'{metric}{{reason="{reason}"}} {n}' for reason, n in by_reason),
+        ]
+        for name, kind, text, value in rows:
+            metric = f"session_gate_scheduler_{name}"
+            lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
+        return "\n".join(lines) + "\n"
+
+
+def attach(scheduler: Any, driver: Any) -> SchedulerGate | None:
+    """Gives ``scheduler`` a gate over ``driver`` (once per engine core; called where the
+    driver is built, ``gate_methods._driver``)."""
+    if scheduler is None:
+        return None
+    gate = scheduler.__dict__.get(SCHEDULER_GATE_ATTR)
+    if gate is None:
+        gate = SchedulerGate(driver)
+        scheduler.__dict__[SCHEDULER_GATE_ATTR] = gate
+        driver.scheduler_gate = gate
+    return gate
+
+
+def _wrap_handle_blocked(original: Any) -> Any:
+    def _handle_blocked_waiting_request(self: Any, request: Any) -> bool:
+        if not original(self, request):
+            return False
+        if not request.session_id:
+            return True
+        gate = self.__dict__.get(SCHEDULER_GATE_ATTR)
+        if gate is None:  # no gate on this scheduler (the engine core has none): ungated
+            return True
+        return gate.ready(request)
+
+    _handle_blocked_waiting_request.__wrapped__ = original  # type: ignore[attr-defined]
+    return _handle_blocked_waiting_request
+
+
+def _wrap_add_request(original: Any) -> Any:
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if SCHEDULER_GATE_ATTR not in self.__dict__:
+            _start(self)
+        return original(self, request, *args, **kwargs)
+
+    add_request.__wrapped__ = original  # type: ignore[attr-defined]
+    return add_request
+
+
+def _start(core: Any) -> None:
+    """Builds the engine gate of ``core`` (if no utility call did yet) and its scheduler's gate.
+    On the first request: by then ``EngineCore.__init__`` is over (the hash root is set)."""
+    core.__dict__[SCHEDULER_GATE_ATTR] = None  # tried once per core, even if it fails
+    try:
+        from session_gate.engine.gate_methods import _driver
+
+        driver = _driver(core)  # attaches the scheduler's gate
+        core.__dict__[SCHEDULER_GATE_ATTR] = driver.scheduler_gate
+        logger.info(
+            "session_gate: scheduler mode %s (max_wait %.1f s)",
+            SESSION_ID,
+            driver.config.max_wait_sec,
+        )
+    except Exception:  # noqa: BLE001 - vLLM serves ungated rather than not at all
+        logger.exception("session_gate: scheduler mode unavailable, requests are not gated")
+
+
+def install() -> bool:
+    """In scheduler mode, wraps ``Scheduler._handle_blocked_waiting_request`` and
+    ``EngineCore.add_request`` (idempotent); False when the setting is off. Raises
+    ``ValueError`` for a bad setting and ``AttributeError`` for a vLLM without the hook."""
+    global installed
+    if installed:
+        return True
+    if mode_from_env() == OFF:
+        return False
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    handle = Scheduler._handle_blocked_waiting_request
+    add = EngineCore.add_request
+    Scheduler._handle_blocked_waiting_request = _wrap_handle_blocked(handle)
+    EngineCore.add_request = _wrap_add_request(add)
+    installed = True
+    return True

@@ -1,0 +1,202 @@
+"""``gate_scheduler`` without an engine: the setting, the config it implies, and the scheduler
+gate's bookkeeping over a stand-in book (held, admitted later, aborted, queued behind its own
+session, refused ids, keep-alive). The real engine's tests are ``test_engine_gate_scheduler``."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+from session_gate.engine import gate_scheduler
+from session_gate.engine.gate_scheduler import SCHEDULER_CLIENT, SchedulerGate
+
+
+@pytest.mark.parametrize("value", [None, "", " off ", "OFF"])
+def test_the_setting_is_off_by_default(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("SESSION_GATE_SCHEDULER", raising=False)
+    else:
+        monkeypatch.setenv("SESSION_GATE_SCHEDULER", value)
+    assert gate_scheduler.mode_from_env() == "off"
+
+
+def test_session_id_mode_and_bad_values(monkeypatch):
+    monkeypatch.setenv("SESSION_GATE_SCHEDULER", "Session-ID")
+    assert gate_scheduler.mode_from_env() == "session-id"
+    for bad in ("infer", "on", "1"):
+        monkeypatch.setenv("SESSION_GATE_SCHEDULER", bad)
+        with pytest.raises(ValueError, match=f"SESSION_GATE_SCHEDULER.*{bad}"):
+            gate_scheduler.mode_from_env()
+
+
+def test_max_wait_defaults_to_120_s_in_scheduler_mode_only(monkeypatch):
+    native = pytest.importorskip("session_gate._native")
+    unbounded = native.GateConfig()
+    monkeypatch.setattr(gate_scheduler, "installed", False)
+    assert gate_scheduler.gate_config(native, unbounded).max_wait_sec is None
+    monkeypatch.setattr(gate_scheduler, "installed", True)
+    config = gate_scheduler.gate_config(native, unbounded)
+    assert config.max_wait_sec == gate_scheduler.DEFAULT_MAX_WAIT_SEC == 120.0
+    assert config.high_watermark == unbounded.high_watermark
+    bounded = native.GateConfig(max_wait_sec=3.0)
+    assert gate_scheduler.gate_config(native, bounded).max_wait_sec == 3.0
+
+
+class Book:
+    """Answers admits from ``answers`` (a dict, or a Future to resolve later)."""
+
+    def __init__(self) -> None:
+        self.answers: list = []
+        self.admits: list[tuple] = []
+        self.cancelled: list[str] = []
+        self.renewed = 0
+
+    def admit(self, session_id, tokens, max_tokens, retain, ticket, client_id):
+        if len(session_id) > 256:
+            raise ValueError("invalid engine gate input: session_id is too long")
+        self.admits.append((session_id, ticket, client_id, max_tokens))
+        return self.answers.pop(0)
+
+    def cancel(self, ticket, client_id, now):
+        self.cancelled.append(ticket)
+        return True
+
+    def renew(self, client_id, now):
+        assert client_id == SCHEDULER_CLIENT
+        self.renewed += 1
+        return (0, 0)
+
+
+class Driver:
+    def __init__(self) -> None:
+        self._book = Book()
+        self.released: list[int] = []
+
+    def release_bound(self, lease: int) -> bool:
+        self.released.append(lease)
+        return True
+
+
+def request(rid: str, session: str | None = "s") -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid,
+        session_id=session,
+        sampling_params=SimpleNamespace(max_tokens=16),
+        prompt_token_ids=[5, 6, 7],
+    )
+
+
+def admitted(lease: int, reason: str = "open") -> dict:
+    return {"status": "admitted", "lease": lease, "reason": reason}
+
+
+def test_admitted_now_runs_now_and_its_lease_is_released_when_freed():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    driver._book.answers.append(admitted(7))
+    r = request("a")
+    assert gate.ready(r) is True
+    assert driver._book.admits == [("s", "sched:0", SCHEDULER_CLIENT, 16)]
+    assert gate.ready(r) is True  # preempted and re-queued by vLLM: not gated again
+    assert len(driver._book.admits) == 1
+    gate.on_free(r)
+    assert driver.released == [7]
+    s = gate.stats()
+    assert (s["gated"], s["admitted"], s["held"], s["leases"]) == (1, 1, 0, 0)
+
+
+def test_a_hold_ends_when_the_admit_is_answered_and_counts_its_reason():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    future: Future = Future()
+    driver._book.answers.append(future)
+    r = request("a")
+    assert gate.ready(r) is False
+    assert gate.ready(r) is False
+    assert gate.stats()["holding"] == 1
+    future.set_result(admitted(3, "max_wait"))
+    assert gate.ready(r) is True
+    s = gate.stats()
+    assert (s["held"], s["holding"], s["max_wait"], s["leases"]) == (1, 0, 1, 1)
+    assert s["admitted_by_reason"] == {"max_wait": 1}
+
+
+def test_an_aborted_hold_cancels_its_admit_and_leaves_nothing():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    driver._book.answers.append(Future())
+    r = request("a")
+    assert gate.ready(r) is False
+    gate.on_free(r)
+    assert driver._book.cancelled == ["sched:0"]
+    assert driver.released == []
+    s = gate.stats()
+    assert (s["aborted_while_held"], s["holding"], s["leases"]) == (1, 0, 0)
+
+
+def test_a_later_request_of_a_held_session_waits_behind_it_without_an_admit():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    first: Future = Future()
+    driver._book.answers += [first, admitted(2)]
+    a, b = request("a"), request("b")
+    assert gate.ready(a) is False
+    assert gate.ready(b) is False
+    assert len(driver._book.admits) == 1  # b did not take over a's attempt
+    first.set_result(admitted(1))
+    assert gate.ready(a) is True
+    assert gate.ready(b) is True
+    assert [t for _, t, _, _ in driver._book.admits] == ["sched:0", "sched:1"]
+    assert gate.stats()["held_behind_session"] == 1
+
+
+def test_refused_ids_and_requests_the_gate_cannot_size_run_ungated():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    long_id = request("a", "x" * 10_000)
+    assert gate.ready(long_id) is True
+    embeds = request("b")
+    embeds.prompt_token_ids = None
+    assert gate.ready(embeds) is True
+    gate.on_free(long_id)
+    gate.on_free(embeds)
+    s = gate.stats()
+    assert (s["bad_session_ids"], s["ungated"], s["gated"], s["errors"]) == (1, 1, 0, 0)
+    assert driver.released == []
+
+
+def test_keep_alive_renews_only_while_something_is_held():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    gate.keep_alive(1.0)
+    assert driver._book.renewed == 0
+    driver._book.answers.append(admitted(9))
+    r = request("a")
+    gate.ready(r)
+    gate.keep_alive(2.0)
+    assert driver._book.renewed == 1
+    gate.on_free(r)
+    gate.keep_alive(3.0)
+    assert driver._book.renewed == 1
+
+
+def test_prometheus_text_names_every_counter():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    driver._book.answers.append(admitted(1, "open"))
+    gate.ready(request("a"))
+    text = gate.prometheus()
+    assert 'session_gate_scheduler_admitted_total{reason="open"} 1' in text
+    for name in ("gated_total", "held_total", "max_wait_total", "aborted_while_held_total"):
+        assert f"session_gate_scheduler_{name} " in text
+
+
+def test_tickets_do_not_depend_on_request_ids_clients_choose():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    driver._book.answers += [admitted(1), admitted(2)]
+    assert gate.ready(request("r" * 1000, "s1")) is True
+    assert gate.ready(request("r", "s2")) is True
+    assert [t for _, t, _, _ in driver._book.admits] == ["sched:0", "sched:1"]
+    assert gate.stats()["bad_session_ids"] == 0
