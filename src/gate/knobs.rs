@@ -268,6 +268,17 @@ pub const KNOBS: &[Knob] = &[
         doc: "Engine probes: byte budget of the per-session hash-chain cache.",
         home: Home::EngineCore,
     },
+    Knob {
+        name: "scheduler",
+        env: "SESSION_GATE_SCHEDULER",
+        rule: Rule::OneOf {
+            names: &["off", "session-id"],
+            why: "expected \"off\" or \"session-id\"",
+        },
+        default: Value::Name("off"),
+        doc: "Engine gate: gate waiting requests that carry a session id in vLLM's scheduler.",
+        home: Home::EngineCore,
+    },
 ];
 
 /// The row named `name`, if any.

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections import Counter
 from concurrent.futures import Future
@@ -74,7 +73,6 @@ logger = logging.getLogger("session_gate")
 _now = time.monotonic
 
 #: The setting and its values.
-ENV = "SESSION_GATE_SCHEDULER"
 OFF = "off"
 SESSION_ID = "session-id"
 #: ``max_wait_sec`` of the book in this mode when ``SESSION_GATE_MAX_WAIT_SEC`` sets none.
@@ -89,19 +87,16 @@ installed = False
 
 
 def mode_from_env() -> str:
-    """``SESSION_GATE_SCHEDULER``: ``off`` (unset or blank too) or ``session-id``; any other
-    value raises ``ValueError`` naming the variable and the value."""
-    raw = os.environ.get(ENV)
-    value = (raw or "").strip().lower()
-    if value in ("", OFF):
-        return OFF
-    if value == SESSION_ID:
-        return SESSION_ID
-    if value == "infer":
-        raise ValueError(
-            f"{ENV}={raw!r}: session inference is not built yet; use {SESSION_ID!r} or {OFF!r}"
-        )
-    raise ValueError(f"{ENV} must be {OFF!r} or {SESSION_ID!r}, got {raw!r}")
+    """``SESSION_GATE_SCHEDULER`` through the knob table: ``off`` (unset too) or ``session-id``;
+    any other value raises ``ValueError`` naming the variable and the value."""
+    from session_gate import _native
+
+    try:
+        return str(_native.knob_from_env("scheduler"))
+    except ValueError as e:
+        # Name the variable the user set, not only the table's knob name.
+        env = next(k["env"] for k in _native.knobs() if k["name"] == "scheduler")
+        raise ValueError(f"{env}: {e}") from None
 
 
 def gate_config(native: Any, config: Any) -> Any:
