@@ -26,7 +26,7 @@ import httpx
 import pytest
 from conftest import ROOT, SERVE_TIMEOUT, get_text, metric, word_ids
 from openai import AsyncOpenAI
-from session_gate.engine.serve import start_proxy, start_vllm, stop
+from session_gate.lab.engine.serve import start_proxy, start_vllm, stop
 
 #: What a GPU node has on PATH: no cargo, rustc or maturin (they live in ~/.cargo, pyenv shims).
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -152,8 +152,6 @@ class EngineGateDriver:
         #: Whether the engine releases leases bound to requests (``gate_binding``); clients learn
         #: it from their renewals' answers.
         self.binds_requests = False
-        #: ``gate_splits.Splits`` while ``SESSION_GATE_LOOP_SPLITS=1`` times the calls.
-        self.loop_splits: Any = None
         #: Set by the timer thread; the engine thread ticks when it sees it.
         self.due = False
         #: When a due tick was first put off for queued requests (``tick_when_settled``).
@@ -201,8 +199,6 @@ class EngineGateDriver:
     def stats(self) -> dict[str, Any]:
         s = self._book.stats()
         s["engine_gate"].update(self.counters)
-        if self.loop_splits is not None:
-            s["engine_gate"]["loop_splits"] = self.loop_splits.summary()
         return s
 
     def prometheus(self) -> str:
