@@ -238,13 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m session_gate.lab.bench.clients", description=__doc__
     )
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument(
-        "--workload",
-        default="default",
-        choices=sorted(WORKLOADS),
-        metavar="NAME",
-        help=f"a built-in workload: {', '.join(sorted(WORKLOADS))} (default default)",
-    )
+    p.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
     p.add_argument(
         "--modes",
         default=",".join(MODES),

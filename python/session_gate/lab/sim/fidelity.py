@@ -25,6 +25,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from session_gate import run_flags
 from session_gate.sim import cli
 from session_gate.sim.twin import run_twin
 from session_gate.workloads import WORKLOADS
@@ -35,10 +36,8 @@ TARGETS = {"hit_rate_abs": 0.03, "prefill_tokens_rel": 0.10, "makespan_ratio_rel
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m session_gate.lab.sim.fidelity", description=__doc__)
-    p.add_argument("--workload", nargs="+", default=["default", "mixed"], choices=sorted(WORKLOADS))
-    p.add_argument("--modes", default=MODES)
+    run_flags.add_run_flags(p, workloads=WORKLOADS, modes=MODES, scaled_modes=False)
     p.add_argument("--profile", default="cpu-tiny")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--real-json",
         nargs="+",
@@ -55,6 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.mode_list = cli.modes_of(p, args.modes)
+    try:
+        # The twin runs a trace on the profile's replica shape: cpu-tiny's is the bench's engine.
+        args.workloads = run_flags.workloads_of(args, WORKLOADS, trace_profile_shape=True)
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
     if "none" not in {m.name for m in args.mode_list}:
         p.error("the modes must include none (makespans are compared as ratios to it)")
     return args
@@ -71,16 +75,14 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
         return {w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()}
     from session_gate.lab.bench import __main__ as bench
 
-    bench_args = bench.parse_args(
-        ["--workload", *args.workload, "--modes", args.modes, "--seed", str(args.seed)]
-    )
+    # The real bench runs what this command parsed: the same workloads, modes and seed.
     if args.step_log:
         with _step_logging(bench) as log:
-            by_workload = asyncio.run(bench.run(bench_args))
+            by_workload = asyncio.run(bench.run(args))
         with open(args.step_log, "w") as f:
             json.dump(log.rows, f)
     else:
-        by_workload = asyncio.run(bench.run(bench_args))
+        by_workload = asyncio.run(bench.run(args))
     with open(args.real_out, "w") as f:
         json.dump({"seed": args.seed, "workloads": by_workload}, f, indent=2)
     return by_workload
@@ -206,8 +208,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     real = real_results(args)
     comparisons = {}
-    for name in args.workload:
-        workload = WORKLOADS[name](args.seed)
+    for workload in args.workloads:
+        name = workload.name
         twin = [run_twin(workload, m, args.profile).summary() for m in args.mode_list]
         comparisons[name] = compare(real[name], twin)
         print("\n" + table(name, comparisons[name]), flush=True)
