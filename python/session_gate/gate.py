@@ -195,7 +195,7 @@ class _Admission:
 
 
 class SessionGate:
-    """Session-level admission gate for one vLLM engine (see DESIGN.md, "Python surface").
+    """Session-level admission gate for one vLLM engine (the README's "Using the gate from Python").
 
     ``probe`` is any object with async ``usage()`` and ``prefix(session_id, prompt_ids)``
     (optionally ``forget(session_id)``), e.g. ``EngineProbe(async_llm)``; ``config`` defaults to

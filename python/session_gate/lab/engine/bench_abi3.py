@@ -26,7 +26,7 @@ from session_gate import _native
 from .bench_probe import _median_us
 
 REPEATS = 20
-#: KV blocks: the bench engine's cache, and one H200 at gpu_memory_utilization 0.9 (DESIGN.md).
+#: KV blocks: the bench engine's cache, and one H200 at gpu_memory_utilization 0.9.
 SIZES = (1_024, 126_000)
 
 
