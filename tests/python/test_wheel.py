@@ -125,9 +125,9 @@ def test_make_wheel_prints_size_tags_entry_points_and_contents(built):
     assert not [n for n in names if n.startswith(("tests/", "target/", "src/"))]
 
 
-#: The wheel's size while it still carried the lab (1.81 MB on 5 Dec 2026): the product alone must
-#: come in under it.
-WHEEL_WITH_LAB_BYTES = 1_810_000
+#: The bound issue 27 sets for the product's wheel. On 5 Dec 2026 the wheel with the lab measured
+#: 1.77 MB (67 files), the product alone 1.69 MB (38 files): the extension is most of it.
+WHEEL_LIMIT_BYTES = 1_810_000
 #: Lab code by name: benchmarks, soak runs, demos, loop-split timers and test fixtures.
 LAB_NAMES = ("bench", "soak", "demo", "gate_splits")
 LAB_FIXTURES = ("vllm_serve.py", "testing.py", "launch.py", "serve.py", "tiny_tokenizer.py")
@@ -151,7 +151,7 @@ def test_the_wheel_carries_the_product_only(built):
         assert f"session_gate/{module}" in modules, modules
     size = path.stat().st_size
     print(f"wheel {path.name}: {size:,} bytes, {len(modules)} Python modules")
-    assert size < WHEEL_WITH_LAB_BYTES, f"{size:,} bytes"
+    assert size < WHEEL_LIMIT_BYTES, f"{size:,} bytes"
 
 
 def test_the_twin_cli_runs_from_the_wheel_without_the_lab(built, tmp_path):
