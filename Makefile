@@ -75,42 +75,42 @@ test-c:
 # The README's first command: the thrash benchmark's short version (the default workload, no gate
 # against the default gate; a few minutes).
 demo: setup
-	$(PY) -m session_gate.bench --workload default --modes none,gate --out bench-demo.json --plot bench-demo.png
+	$(PY) -m session_gate.lab.bench --workload default --modes none,gate --out bench-demo.json --plot bench-demo.png
 
 # Every probe's answer beside vLLM's num_cached_tokens, turn by turn.
 demo-probe: setup
-	$(PY) -m session_gate.demo
+	$(PY) -m session_gate.lab.demo
 
 # The full comparison: no gate, session caps, the seed's gate, the default gate; two workloads.
 bench: setup
-	$(PY) -m session_gate.bench --workload default mixed
+	$(PY) -m session_gate.lab.bench --workload default mixed
 
 # Every mode (none, caps, seed, aimd, pause, gate) on the real CPU engine (default, mixed) and,
 # when installed, the replica twin; regret per workload, a table and a plot; last line JSON.
 bench-matrix: setup
-	$(PY) -m session_gate.bench.matrix
+	$(PY) -m session_gate.lab.bench.matrix
 
 # Where a block hash's time goes (bytes hashed per block, serialisation, SHA-256, its compression
 # function: the floor), then the probes on vLLM's real block pools; the last line is JSON.
 bench-probe: setup
 	cargo run --release --quiet --example hash_speed
-	$(PY) -m session_gate.engine.bench_probe
+	$(PY) -m session_gate.lab.engine.bench_probe
 
 bench-gate: setup
 	cargo run --release --quiet --example bench_gate
-	$(PY) -m session_gate.bench_gate
+	$(PY) -m session_gate.lab.bench_gate
 
 # Proxy overhead on loopback, gate open: the same requests straight to vLLM and through
 # `session-gate proxy` in one run; the last line is JSON (p50/p99 of both and the difference).
 bench-proxy: setup
-	$(PY) -m session_gate.bench_proxy
+	$(PY) -m session_gate.lab.bench_proxy
 
 # One gate per engine: the default workload's sessions split among 4 client processes against one
 # vllm serve, each with a local gate, all through the engine gate, and with no gate (plus the
 # single-client gate); then the middleware's added latency and the engine-loop cost of admit.
 # The last line is JSON.
 bench-clients: setup
-	$(PY) -m session_gate.bench.clients --clients 4 --workload default
+	$(PY) -m session_gate.lab.bench.clients --clients 4 --workload default
 
 # The engine gate's own costs from one vllm serve run (about a minute): the middleware's added
 # latency (the same short completion with and without x-session-id, gate open) and the engine-loop
@@ -118,14 +118,14 @@ bench-clients: setup
 # a prefix walk) beside the usage probe's in the same run. The last line is JSON. Add
 # --loop-splits to the command below to also time vLLM's dispatch and the native call's parts.
 bench-engine-gate: setup
-	$(PY) -m session_gate.bench.clients --modes ""
+	$(PY) -m session_gate.lab.bench.clients --modes ""
 
 # Reliability under load and faults (a few minutes, loopback only): two CPU vllm serve replicas
 # with the plugin, the proxy in front, a few hundred openai-client sessions; one replica killed
 # and restarted, dropped streams, abandoned sessions, retry storms, bad input to every route.
 # Turns sent/completed/failed/lost, leases and reservations left, proxy RSS; last line JSON.
 soak: setup
-	$(PY) -m session_gate.soak
+	$(PY) -m session_gate.lab.soak
 
 # The one wheel (plugin, gate, proxy, twin CLI) for this venv's CPython, in dist/: prints its
 # size, tags, entry points and contents.
@@ -134,12 +134,12 @@ wheel: setup
 
 # Engine-half usage probe: slot reads (this wheel) against attribute reads (what abi3 would run).
 bench-abi3: setup
-	$(PY) -m session_gate.engine.bench_abi3
+	$(PY) -m session_gate.lab.engine.bench_abi3
 
 # Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
 # engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
 sim-calibrate: setup
-	$(PY) -m session_gate.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
+	$(PY) -m session_gate.lab.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
 
 # The replica twin's speed: 1,000 sessions x 30 turns on a 126,000-block H200 replica, simulated
 # time against wall time of the same run; the last line is JSON.
@@ -150,18 +150,18 @@ bench-sim-replica:
 # models, every mode: the twin's speed first, then table + JSON + PNG; last line JSON.
 SIM_MODES := none,cap4,cap8,cap16,cap32,cap64,seed,gate
 sim: setup
-	$(PY) -m session_gate.sim.speed
+	$(PY) -m session_gate.lab.sim.speed
 	$(PY) -m session_gate.sim --workload rl-rollout rl-async \
 		--profile h200-qwen2.5-7b h200-qwen2.5-32b --modes $(SIM_MODES) \
 		--out docs/sim-results.json --plot docs/sim-results.png
 
 # The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
 sim-fidelity: setup
-	$(PY) -m session_gate.sim.fidelity
+	$(PY) -m session_gate.lab.sim.fidelity
 
 # The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
 bench-sim: setup
-	$(PY) -m session_gate.sim.speed
+	$(PY) -m session_gate.lab.sim.speed
 
 clean:
 	cargo clean

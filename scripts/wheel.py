@@ -6,7 +6,9 @@ check``: a wheel that would need a library from the build machine fails here, no
 node), then prints the wheel's name, size, tags, entry points, requirements and every file with
 its size. Also checks
 what the issue promises: a manylinux tag, both vLLM plugin entry points, the ``session-gate``
-console script and no requirement outside the ``test`` extra. Prints the wheel's path last.
+console script, no requirement outside the ``test`` extra and no lab code (benchmarks, soak
+runs, demos, test fixtures: ``session_gate/lab/`` stays in the checkout). Prints the wheel's
+path last.
 
     python scripts/wheel.py [--out dist] [--python /path/to/python]
 """
@@ -14,6 +16,7 @@ console script and no requirement outside the ``test`` extra. Prints the wheel's
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import zipfile
@@ -26,6 +29,10 @@ ENTRY_POINTS = {
     "vllm.endpoint_plugins": "session_gate = session_gate.engine.http_routes:plugin",
     "console_scripts": "session-gate = session_gate.cli:main",
 }
+#: Python files that belong to the lab, not the product: benchmarks, soak runs, demos, fixtures.
+LAB_FILE = re.compile(
+    r"session_gate/(lab/.*|(.*/)?(bench|soak|demo)[^/]*|(.*/)?(vllm_serve|testing)\.py)"
+)
 
 
 def build(out: Path, python: str) -> Path:
@@ -82,6 +89,9 @@ def describe(path: Path) -> list[str]:
     for section, line in ENTRY_POINTS.items():
         if line.replace(" ", "") not in {e.replace(" ", "") for e in sections.get(section, [])}:
             problems.append(f"entry point missing: [{section}] {line}")
+    lab = [i.filename for i in infos if LAB_FILE.fullmatch(i.filename)]
+    if lab:
+        problems.append(f"lab code in the wheel (pyproject.toml's exclude): {lab}")
     runtime = [r for r in requires if "extra ==" not in r]
     if runtime:
         problems.append(f"runtime requirements (vLLM's environment must be enough): {runtime}")

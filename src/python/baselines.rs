@@ -2,7 +2,7 @@
 //!
 //! A thin skin over [`crate::baselines`]: knobs by keyword (an unknown knob is a `ValueError`
 //! naming it), a `time_scale` that multiplies the time constants, and plain lists and dicts out.
-//! The bench driver (`session_gate.bench.modes`) carries out what they answer; no control logic
+//! The bench driver (`session_gate.lab.bench.admission`) carries out what they answer; no control logic
 //! lives here or in Python.
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;

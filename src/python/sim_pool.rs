@@ -2,7 +2,7 @@
 //! `SimKvManager` (driven side by side with vLLM's real `KVCacheManager` in
 //! `tests/python/test_sim_block_pool.py`), `SimReplica` (driven beside vLLM's real `Scheduler`
 //! in `tests/python/test_sim_scheduler_vllm.py`), `sim_step_features` and `sim_profile_step_times`
-//! (used by `session_gate.sim.calibrate` to fit and check a profile with the Rust code that
+//! (used by `session_gate.lab.sim.calibrate` to fit and check a profile with the Rust code that
 //! runs it). A thin skin: no logic of its own.
 use std::collections::HashMap;
 

@@ -138,7 +138,7 @@ struct ProfileFile {
 }
 
 /// The engine a calibration timed (`[engine]`, optional; written by `python -m
-/// session_gate.sim.calibrate`): what the replica shape alone does not say. Informational: the
+/// session_gate.lab.sim.calibrate`): what the replica shape alone does not say. Informational: the
 /// twin models `[replica]` and `[cost]`; this says which model and engine they came from.
 #[derive(Debug, Default, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]

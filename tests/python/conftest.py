@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from session_gate.engine import serve
-from session_gate.engine.launch import generate
-from session_gate.engine.tiny_tokenizer import word_ids  # noqa: F401 (the tests import it from here)
-from session_gate.soak.cluster import get_text, metric  # noqa: F401 (the tests import them from here)
+from session_gate.lab.engine import serve
+from session_gate.lab.engine.launch import generate
+from session_gate.lab.engine.tiny_tokenizer import word_ids  # noqa: F401 (the tests import it from here)
+from session_gate.lab.soak.cluster import get_text, metric  # noqa: F401 (the tests import them from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +106,7 @@ def served_vllm(
     """A ``vllm serve`` over the tiny model (both session_gate plugins) for a test module's
     fixture: yields its base URL, and always stops it and removes its work directory. ``env``
     is set while it starts (the engine gate reads its ``SESSION_GATE_*`` knobs then)."""
-    from session_gate.engine.serve import start_vllm, stop
+    from session_gate.lab.engine.serve import start_vllm, stop
 
     workdir = Path(tempfile.mkdtemp(prefix=f"session-gate-{prefix}-"))
     try:

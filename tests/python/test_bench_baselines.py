@@ -15,12 +15,13 @@ import random
 import pytest
 import pytest_asyncio
 from session_gate._native import AimdController, PauseController
-from session_gate.bench.matrix import build, median_rounds, parse_args, targets, worst_regret
-from session_gate.bench.modes import Mode, time_scale
-from session_gate.bench.runner import run_mode
-from session_gate.bench.workloads import EngineShape, SessionSpec, Turn, Workload
-from session_gate.engine.launch import make_async_llm
-from session_gate.engine.metrics import kv_capacity, scrape
+from session_gate.lab.bench.admission import time_scale
+from session_gate.lab.bench.matrix import build, median_rounds, parse_args, targets, worst_regret
+from session_gate.lab.bench.runner import run_mode
+from session_gate.lab.engine.launch import make_async_llm
+from session_gate.lab.engine.metrics import kv_capacity, scrape
+from session_gate.modes import Mode
+from session_gate.workloads import EngineShape, SessionSpec, Turn, Workload
 
 BLOCK = 32
 NUM_BLOCKS = 128
@@ -64,7 +65,7 @@ def test_time_scale_runs_the_controllers_faster():
     assert AimdController(time_scale=0.1).poll_interval_sec == pytest.approx(0.5)
     assert PauseController(1000, time_scale=0.09).scheduler_interval_sec == pytest.approx(0.45)
     # The default workload: median tool latency ~0.9 s over the 10 s reference.
-    from session_gate.bench.workloads import default_workload
+    from session_gate.workloads import default_workload
 
     assert 0.05 < time_scale(default_workload()) < 0.15
 
@@ -135,7 +136,7 @@ def test_repeated_real_runs_are_judged_on_each_figures_median():
 def test_the_matrix_rebuilds_from_saved_runs_merging_modes_of_a_workload(tmp_path, capsys):
     import json
 
-    from session_gate.bench import matrix
+    from session_gate.lab.bench import matrix
 
     def row(mode, makespan):
         return {"mode": mode, "engine": "twin:cpu-tiny", "makespan_sec": makespan,
@@ -198,7 +199,7 @@ def assert_every_turn_ran_once(result, workload):
 
 @pytestmark_engine
 async def test_vllm_metrics_are_readable_in_process(engine):
-    from session_gate.engine.launch import agenerate
+    from session_gate.lab.engine.launch import agenerate
 
     await agenerate(engine, list(range(3, 300)), 8, "metrics-probe")
     load = scrape()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from session_gate.bench import workloads
-from session_gate.bench.modes import Mode
+from session_gate import workloads
+from session_gate.modes import Mode
 
-EXAMPLE = Path(workloads.__file__).with_name("example_trace.jsonl")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "example_trace.jsonl"
 
 
 def test_builtin_workloads_are_seeded_and_match_their_description():

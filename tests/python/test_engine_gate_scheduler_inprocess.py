@@ -18,7 +18,7 @@ import time
 import pytest
 import pytest_asyncio
 from conftest import environ
-from session_gate.engine.launch import make_async_llm
+from session_gate.lab.engine.launch import make_async_llm
 from session_gate.probes import pack_token_ids
 from vllm import SamplingParams
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 from conftest import random_prompt, run_prompt
-from session_gate.engine.launch import TINY_VOCAB, make_llm
+from session_gate.lab.engine.launch import TINY_VOCAB, make_llm
 
 BLOCK = 32
 NUM_BLOCKS = 64

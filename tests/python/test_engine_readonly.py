@@ -12,7 +12,7 @@ import random
 
 import pytest
 from conftest import pool_snapshot, random_prompt, run_prompt
-from session_gate.engine.launch import make_llm
+from session_gate.lab.engine.launch import make_llm
 
 BLOCK = 32
 

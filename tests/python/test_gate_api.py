@@ -21,8 +21,8 @@ import threading
 
 import pytest
 from session_gate import AdmissionPreempted, GateConfig, Lease, SessionGate, _native
+from session_gate.lab.testing import ScriptedProbe
 from session_gate.probes import pack_token_ids
-from session_gate.testing import ScriptedProbe
 
 BS = 16
 PROMPT_TIMEOUT = 5.0
@@ -602,7 +602,7 @@ def test_token_ids_are_packed_as_little_endian_uint32():
 def test_the_gate_side_never_imports_vllm():
     code = (
         "import sys, session_gate, session_gate.gate, session_gate.probes, "
-        "session_gate.testing\n"
+        "session_gate.lab.testing\n"
         "from session_gate import SessionGate, GateConfig, EngineProbe, AdmissionPreempted\n"
         "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
         "assert not bad, bad\n"

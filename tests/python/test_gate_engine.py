@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 from conftest import random_prompt
 from session_gate import EngineProbe, GateConfig, SessionGate
-from session_gate.engine.launch import make_async_llm
+from session_gate.lab.engine.launch import make_async_llm
 from vllm import SamplingParams
 
 BLOCK = 32

@@ -26,8 +26,8 @@ from conftest import (
     served_vllm,
     word_ids,
 )
-from session_gate.engine.serve import start_proxy, stop
-from session_gate.engine.tiny_tokenizer import word
+from session_gate.lab.engine.serve import start_proxy, stop
+from session_gate.lab.engine.tiny_tokenizer import word
 
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import json
     from vllm import SamplingParams
-    from session_gate.engine.launch import make_llm
+    from session_gate.lab.engine.launch import make_llm
 
     if __name__ == "__main__":
         llm = make_llm(num_blocks=32)

@@ -12,7 +12,7 @@ import random
 
 import pytest
 from conftest import pool_snapshot, random_prompt
-from session_gate.engine.inprocess import SchedulerDriver, engine_state, make_kv_cache_manager
+from session_gate.lab.engine.inprocess import SchedulerDriver, engine_state, make_kv_cache_manager
 
 BLOCK = 16
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary, word_ids
-from session_gate.engine.serve import start_proxy, start_vllm, stop
-from session_gate.engine.tiny_tokenizer import words
+from session_gate.lab.engine.serve import start_proxy, start_vllm, stop
+from session_gate.lab.engine.tiny_tokenizer import words
 
 KEY = "vllm-secret"
 PROXY_KEY = "proxy-secret"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary, word_ids
-from session_gate.engine.serve import start_proxy, start_vllm, stop
+from session_gate.lab.engine.serve import start_proxy, start_vllm, stop
 
 NUM_BLOCKS = 64
 BLOCK = 32

@@ -24,7 +24,7 @@ BLOCK = 16
 
 
 def vllm_manager(num_blocks: int, max_model_len: int) -> Any:
-    from session_gate.engine.inprocess import make_kv_cache_manager
+    from session_gate.lab.engine.inprocess import make_kv_cache_manager
 
     return make_kv_cache_manager(num_blocks, BLOCK, max_model_len=max_model_len)
 

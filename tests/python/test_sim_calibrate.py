@@ -1,4 +1,4 @@
-"""``python -m session_gate.sim.calibrate`` on the real tiny CPU engine (short runs): it times
+"""``python -m session_gate.lab.sim.calibrate`` on the real tiny CPU engine (short runs): it times
 real steps, fits the cost profile, and writes a TOML that the Rust parser accepts and that
 predicts the steps it was fitted on. Then a refit from the saved steps, with no engine, gives
 the same coefficients. A user's own model and engine shape (``--model``, ``--block-size``, ...)
@@ -14,16 +14,15 @@ from pathlib import Path
 
 import pytest
 from session_gate import _native
-from session_gate.bench import workloads
-from session_gate.engine.launch import write_tiny_model
-from session_gate.sim import calibrate
+from session_gate.lab.engine.launch import write_tiny_model
+from session_gate.lab.sim import calibrate
 
-EXAMPLE = Path(workloads.__file__).with_name("example_trace.jsonl")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "example_trace.jsonl"
 
 
 def run_calibrate(*args: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "session_gate.sim.calibrate", *args],
+        [sys.executable, "-m", "session_gate.lab.sim.calibrate", *args],
         capture_output=True,
         text=True,
         timeout=900,
@@ -52,7 +51,7 @@ def test_quick_calibration_writes_a_profile_the_twin_reads(tmp_path):
     assert coef["step_sec"] + coef["per_token_sec"] > 0, "a step costs something"
     assert result["steps"] > 20
     text = out.read_text()
-    assert "Fitted by `python -m session_gate.sim.calibrate`" in text
+    assert "Fitted by `python -m session_gate.lab.sim.calibrate`" in text
     assert result["replica"] == {
         "num_blocks": 1024,
         "block_size": 32,
@@ -133,7 +132,7 @@ def test_your_own_model_and_shape_reach_the_engine_and_the_profile_and_the_twin_
         assert engine["model"] == model and engine["load_format"] == "dummy"
         assert engine["dtype"] == "bfloat16" and engine["tensor_parallel_size"] == 1
         assert engine["max_model_len"] == 4096 and engine["num_gpu_blocks_override"] == 300
-        assert engine["command"].startswith("python -m session_gate.sim.calibrate --quick")
+        assert engine["command"].startswith("python -m session_gate.lab.sim.calibrate --quick")
         assert "--block-size 64" in engine["command"]
         assert engine == result["engine"]
 
@@ -173,7 +172,7 @@ def test_a_model_directory_needs_its_config(tmp_path, capsys):
 def test_an_engine_vllm_refuses_is_reported_with_the_flags_and_vllm_s_reason():
     # Longer than the tiny model's max_position_embeddings (65,536): vLLM's own check.
     proc = subprocess.run(
-        [sys.executable, "-m", "session_gate.sim.calibrate", "--max-model-len", "100000"],
+        [sys.executable, "-m", "session_gate.lab.sim.calibrate", "--max-model-len", "100000"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from session_gate.bench import workloads
-from session_gate.bench.modes import Mode
-from session_gate.bench.runner import ModeResult
+from session_gate import workloads
+from session_gate.lab.sim import fidelity
+from session_gate.modes import Mode
+from session_gate.results import ModeResult
 from session_gate.sim import __main__ as sim_main
-from session_gate.sim import fidelity
 from session_gate.sim.twin import run_twin
 
-EXAMPLE = Path(workloads.__file__).with_name("example_trace.jsonl")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "example_trace.jsonl"
 BENCH_KEYS = set(ModeResult("m", "w", 1.0).summary())
 
 
@@ -214,7 +214,7 @@ def test_a_trace_runs_on_the_profile_s_replica_shape(tmp_path):
 def test_rl_steps_share_one_gate_and_the_matrix_reports_each_step_and_the_later_mean(
     tmp_path, capsys
 ):
-    from session_gate.bench import matrix
+    from session_gate.lab.bench import matrix
     from session_gate.sim.twin import run_twin_steps
 
     steps = [workloads.default_workload(s) for s in (0, 100, 200)]

@@ -22,7 +22,7 @@ BLOCK = 32
 class VllmSide:
     def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, max_len: int) -> None:
         import torch
-        from session_gate.engine.launch import tiny_engine_args
+        from session_gate.lab.engine.launch import tiny_engine_args
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import sha256
         from vllm.v1.core import kv_cache_utils

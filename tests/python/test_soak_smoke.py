@@ -8,9 +8,9 @@ import asyncio
 import json
 
 import pytest
-from session_gate.soak.cluster import Engines
-from session_gate.soak.run import SoakConfig, run
-from session_gate.soak.sessions import Workload
+from session_gate.lab.soak.cluster import Engines
+from session_gate.lab.soak.run import SoakConfig, run
+from session_gate.lab.soak.sessions import Workload
 
 
 def test_soak_smoke():

@@ -26,7 +26,7 @@ import httpx
 import pytest
 from conftest import ROOT, SERVE_TIMEOUT, get_text, metric, word_ids
 from openai import AsyncOpenAI
-from session_gate.engine.serve import start_proxy, start_vllm, stop
+from session_gate.lab.engine.serve import start_proxy, start_vllm, stop
 
 #: What a GPU node has on PATH: no cargo, rustc or maturin (they live in ~/.cargo, pyenv shims).
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -123,6 +123,61 @@ def test_make_wheel_prints_size_tags_entry_points_and_contents(built):
         assert f"session_gate/{module}" in names
     # The extension carries the proxy: no separate binary, no build outputs or tests.
     assert not [n for n in names if n.startswith(("tests/", "target/", "src/"))]
+
+
+#: The bound issue 27 sets for the product's wheel. On 5 Dec 2026 the wheel with the lab measured
+#: 1.77 MB (67 files), the product alone 1.69 MB (38 files): the extension is most of it.
+WHEEL_LIMIT_BYTES = 1_810_000
+#: Lab code by name: benchmarks, soak runs, demos, loop-split timers and test fixtures.
+LAB_NAMES = ("bench", "soak", "demo", "gate_splits")
+LAB_FIXTURES = ("vllm_serve.py", "testing.py", "launch.py", "serve.py", "tiny_tokenizer.py")
+
+
+def test_the_wheel_carries_the_product_only(built):
+    path, _ = built
+    with zipfile.ZipFile(path) as wheel:
+        files = [n for n in wheel.namelist() if n.startswith("session_gate/")]
+    modules = [n for n in files if n.endswith((".py", ".pyi"))]
+    lab = [
+        n
+        for n in files
+        if n.startswith("session_gate/lab/")
+        or any(part.startswith(LAB_NAMES) for part in n.split("/")[1:])
+        or n.rsplit("/", 1)[-1] in LAB_FIXTURES
+    ]
+    assert not lab, f"lab code in the wheel: {lab}"
+    # What the twin's CLI needs is product, and there.
+    for module in ("sim/__main__.py", "sim/twin.py", "workloads.py", "modes.py", "report.py"):
+        assert f"session_gate/{module}" in modules, modules
+    size = path.stat().st_size
+    print(f"wheel {path.name}: {size:,} bytes, {len(modules)} Python modules")
+    assert size < WHEEL_LIMIT_BYTES, f"{size:,} bytes"
+
+
+def test_the_twin_cli_runs_from_the_wheel_without_the_lab(built, tmp_path):
+    """``session-gate sim`` from the wheel's own files (no checkout on ``sys.path``): the twin
+    runs a trace, and nothing under ``session_gate.lab`` is importable or imported."""
+    unpacked = tmp_path / "unpacked"
+    with zipfile.ZipFile(built[0]) as wheel:
+        wheel.extractall(unpacked)
+    code = (
+        "import importlib.util, sys\n"
+        "import session_gate\n"
+        "from session_gate import cli\n"
+        f"assert session_gate.__file__.startswith({str(unpacked)!r}), session_gate.__file__\n"
+        "assert importlib.util.find_spec('session_gate.lab') is None\n"
+        "code = cli.main(sys.argv[1:])\n"
+        "assert not [m for m in sys.modules if m.startswith('session_gate.lab')]\n"
+        "sys.exit(code)\n"
+    )
+    trace = ROOT / "examples" / "example_trace.jsonl"
+    args = ["sim", "--trace", str(trace), "--modes", "none,gate", "--out", "r.json"]
+    env = dict(os.environ, PYTHONPATH=str(unpacked))
+    out = _run([sys.executable, "-c", code, *args, "--plot", "r.png"], env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["simulated"] is True
+    assert set(last["figures"]["trace:example_trace.jsonl @ cpu-tiny"]) == {"none", "gate"}
 
 
 def test_installed_package_runs_without_source_tree_or_rust(user_env):

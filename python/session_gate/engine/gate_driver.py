@@ -133,8 +133,6 @@ class EngineGateDriver:
         #: Whether the engine releases leases bound to requests (``gate_binding``); clients learn
         #: it from their renewals' answers.
         self.binds_requests = False
-        #: ``gate_splits.Splits`` while ``SESSION_GATE_LOOP_SPLITS=1`` times the calls.
-        self.loop_splits: Any = None
         #: ``gate_scheduler.SchedulerGate`` in scheduler mode: its counters join the stats, and
         #: it renews its client before each tick.
         self.scheduler_gate: Any = None
@@ -185,8 +183,6 @@ class EngineGateDriver:
     def stats(self) -> dict[str, Any]:
         s = self._book.stats()
         s["engine_gate"].update(self.counters)
-        if self.loop_splits is not None:
-            s["engine_gate"]["loop_splits"] = self.loop_splits.summary()
         if self.scheduler_gate is not None:
             s["scheduler"] = self.scheduler_gate.stats()
         return s

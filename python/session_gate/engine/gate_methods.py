@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import gate_binding, gate_scheduler, gate_splits, methods
+from session_gate.engine import gate_binding, gate_scheduler, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -191,7 +191,3 @@ def install() -> None:
     except Exception as exc:  # the gate works without it: clients release as before
         logger.warning("session_gate: leases are not bound to requests: %r", exc)
     EngineCore._session_gate_gate_installed = True
-    if gate_splits.enabled():  # measurement only: SESSION_GATE_LOOP_SPLITS=1
-        from vllm.v1.engine.core import EngineCoreProc
-
-        gate_splits.install(EngineCoreProc, DRIVER_ATTR)

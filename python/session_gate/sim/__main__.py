@@ -11,24 +11,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from session_gate.bench import report
+from session_gate import report
+from session_gate.modes import DEFAULT_MODES
 from session_gate.sim import cli
 from session_gate.sim.twin import profile_label, run_twin
-
-DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m session_gate.sim", description=__doc__)
-    cli.add_common(p, modes=DEFAULT_MODES)
-    p.add_argument("--out", default="sim-results.json")
-    p.add_argument("--plot", default="sim-results.png")
-    p.add_argument(
-        "--records",
-        default=None,
-        metavar="FILE",
-        help="also write every turn of every run as JSON lines (the real bench format)",
-    )
+    cli.add_common(p, modes=DEFAULT_MODES, results=("sim-results.json", "sim-results.png"))
     p.add_argument(
         "--jobs",
         type=int,

@@ -1,14 +1,15 @@
-"""Argument handling shared by the twin's commands: workloads, profiles, modes, gate knobs and
+"""Argument handling shared by the twin's commands: workloads, traces, modes and seed (the
+flags the real bench shares, ``session_gate.run_flags``), then profiles, gate knobs and
 replica-shape overrides (every ``GateConfig`` knob becomes a ``--knob-name`` flag)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
-from session_gate.bench.modes import Mode
-from session_gate.bench.workloads import SCALE_WORKLOADS, WORKLOADS, Workload, load_trace
+from session_gate import run_flags
+from session_gate.modes import Mode
+from session_gate.workloads import SCALE_WORKLOADS, WORKLOADS, Workload
 
 ALL_WORKLOADS = {**WORKLOADS, **SCALE_WORKLOADS}
 
@@ -29,24 +30,21 @@ def _knob_value(text: str) -> Any:
         return text
 
 
-def add_common(p: argparse.ArgumentParser, *, modes: str | None) -> None:
-    p.add_argument(
-        "--workload",
-        nargs="+",
-        default=None,
-        choices=sorted(ALL_WORKLOADS),
-        help="built-in workloads (default: default and mixed, unless --trace is given)",
+def add_common(
+    p: argparse.ArgumentParser, *, modes: str | None, results: tuple[str, str] | None = None
+) -> None:
+    """The run flags (``run_flags.add_run_flags``; the twin offers no ``-scaled`` modes: it
+    runs the baselines with their literal time constants), ``--profile``, every gate knob and
+    the replica shape."""
+    run_flags.add_run_flags(
+        p, workloads=ALL_WORKLOADS, modes=modes, scaled_modes=False, results=results
     )
-    p.add_argument("--trace", action="append", default=[], help="a JSONL trace (repeatable)")
     p.add_argument(
         "--profile",
         nargs="+",
         default=["cpu-tiny"],
         help="built-in profile names or profile TOML files (default cpu-tiny)",
     )
-    if modes is not None:
-        p.add_argument("--modes", default=modes, help=f"comma-separated (default {modes})")
-    p.add_argument("--seed", type=int, default=0)
     knobs = p.add_argument_group("gate knobs (seed and gate modes)")
     for name in knob_names():
         knobs.add_argument(
@@ -77,21 +75,10 @@ def workloads_of(args: argparse.Namespace) -> list[Workload]:
 
     for profile in args.profile:
         profile_args(profile)
-    names = args.workload
-    if names is None:
-        names = [] if args.trace else ["default", "mixed"]
-    out = [ALL_WORKLOADS[n](args.seed) for n in names]
     # A trace says nothing about the engine: the twin runs it on the profile's replica shape
     # (for cpu-tiny, the bench's engine), so a GPU profile's trace runs on that GPU's cache.
-    out += [
-        dataclasses.replace(load_trace(path, seed=args.seed), profile_shape=True)
-        for path in args.trace
-    ]
-    return out
+    return run_flags.workloads_of(args, ALL_WORKLOADS, trace_profile_shape=True)
 
 
 def modes_of(p: argparse.ArgumentParser, text: str) -> list[Mode]:
-    try:
-        return [Mode.parse(m.strip()) for m in text.split(",") if m.strip()]
-    except ValueError as exc:
-        p.error(str(exc))
+    return run_flags.modes_of(p, text, scaled=False)

@@ -14,7 +14,7 @@ import itertools
 import json
 from typing import Any
 
-from session_gate.bench.modes import Mode
+from session_gate.modes import Mode
 from session_gate.sim import cli
 from session_gate.sim.twin import run_twin
 

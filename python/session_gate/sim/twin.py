@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from session_gate.bench.modes import Mode
-from session_gate.bench.runner import ModeResult, TurnRecord, ideal_cached
-from session_gate.bench.workloads import Workload
+from session_gate.modes import Mode
+from session_gate.results import ModeResult, TurnRecord, ideal_cached
+from session_gate.workloads import Workload
 
 SHAPE_FIELDS = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
 

@@ -1,5 +1,5 @@
 //! What the clients replay: sessions, their turns and arrival times, as Python's
-//! `session_gate.bench.workloads` defines them (the one definition; Rust never generates them).
+//! `session_gate.workloads` defines them (the one definition; Rust never generates them).
 use crate::error::{Error, Result};
 
 /// One turn as a session sends it.

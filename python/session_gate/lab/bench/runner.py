@@ -1,0 +1,123 @@
+"""Drives one workload through one mode on a running ``AsyncLLM`` and measures what happened."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from session_gate.lab.bench.admission import Admission, EpisodeCancelled
+from session_gate.lab.engine.launch import agenerate
+from session_gate.modes import Mode
+from session_gate.results import ModeResult, TurnRecord, ideal_cached
+from session_gate.workloads import SessionSpec, Workload
+
+VOCAB = 4096
+
+
+async def run_mode(
+    llm: Any,
+    workload: Workload,
+    mode: Mode,
+    probe: Any,
+    progress: Any = None,
+    knobs: dict[str, Any] | None = None,
+    *,
+    only: Any = None,
+    admission: Any = None,
+    generate: Any = agenerate,
+) -> ModeResult:
+    """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
+    reset first so every mode starts cold. ``knobs`` override a baseline's defaults.
+
+    For one of several client processes (``bench.clients``): ``only`` picks the session
+    indices this process drives, ``admission`` replaces the mode's own (the caller reset the
+    cache and closes it), ``generate`` sends a turn (``agenerate``'s signature)."""
+    own = admission is None
+    if admission is None:
+        await llm.reset_prefix_cache()
+        admission = Admission(mode, probe, llm, workload, knobs)
+    block = workload.engine.block_size
+    rng = random.Random(workload.seed)
+    system = [
+        rng.randrange(3, VOCAB) for _ in range(max(s.system_tokens for s in workload.sessions))
+    ]
+    records: list[TurnRecord] = []
+    system_seen = [False]
+    lost = {"turns": 0, "tokens": 0, "cancellations": 0}
+
+    async def run_session(index: int, spec: SessionSpec) -> None:
+        if spec.arrival > 0:
+            await asyncio.sleep(spec.arrival)
+        attempt = 0
+        while True:
+            kept: list[TurnRecord] = []
+            try:
+                await run_attempt(spec, attempt, kept)
+            except EpisodeCancelled:
+                # Re-run from the first turn; what the cancelled attempt did is lost work.
+                lost["cancellations"] += 1
+                lost["turns"] += len(kept)
+                lost["tokens"] += sum(
+                    r.prompt_tokens - r.cached_tokens + spec.turns[r.turn].output for r in kept
+                )
+                attempt += 1
+                continue
+            records.extend(kept)
+            return
+
+    async def run_attempt(spec: SessionSpec, attempt: int, kept: list[TurnRecord]) -> None:
+        # The same token contents on every attempt: a re-run can hit what is still cached.
+        srng = random.Random(f"{workload.seed}:{spec.session_id}")
+        history = system[: spec.system_tokens] + [
+            srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
+        ]
+        prev_sequence = 0
+        async with admission.session(spec.session_id):
+            for t, turn in enumerate(spec.turns):
+                history += [srng.randrange(3, VOCAB) for _ in range(turn.append)]
+                ideal = ideal_cached(
+                    prev_sequence, len(history), block, spec.system_tokens, system_seen[0]
+                )
+                system_seen[0] = True
+                started = time.perf_counter()
+                async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
+                    output, cached = await generate(
+                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}.{attempt}"
+                    )
+                kept.append(
+                    TurnRecord(
+                        spec.session_id,
+                        t,
+                        len(history),
+                        cached,
+                        ideal,
+                        time.perf_counter() - started,
+                        wait,
+                        reason,
+                    )
+                )
+                if progress is not None:
+                    progress.update(1)
+                history += output
+                prev_sequence = len(history)
+                await asyncio.sleep(turn.tool_latency)
+
+    started = time.perf_counter()
+    mine = [(i, s) for i, s in enumerate(workload.sessions) if only is None or i in only]
+    try:
+        await asyncio.gather(*(run_session(i, s) for i, s in mine))
+    finally:
+        if own:
+            await admission.close()
+    return ModeResult(
+        mode.name,
+        workload.name,
+        time.perf_counter() - started,
+        records,
+        admission.stats(),
+        lost_turns=lost["turns"],
+        lost_tokens=lost["tokens"],
+        cancellations=lost["cancellations"],
+    )

@@ -1,0 +1,224 @@
+"""``python -m session_gate.lab.sim.fidelity`` (``make sim-fidelity``): the twin against the real
+CPU engine on the same workloads and modes.
+
+Runs the real thrash benchmark (``session_gate.lab.bench``'s own machinery: one CPU vLLM engine,
+the ``default`` and ``mixed`` workloads, modes none, cap4, cap8, seed, gate) — or reads
+results files the bench wrote (``--real-json``; a mode measured in several files is compared by
+its mean, since the real engine's hit rate and makespan vary run to run) — then the twin on
+the ``cpu-tiny`` profile with the same workloads, modes and seed, and prints per mode: the
+hit-rate error (absolute), the prefill-token error (%), the error of the makespan ratio to
+``none`` (%), and whether the modes come out in the same order by makespan. The last line is
+JSON with the largest errors and whether issue 9's targets hold (hit rate within 0.03, prefill
+tokens within 10%, makespan ratio to ``none`` within 15%, same ordering).
+
+``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
+(``session_gate.lab.engine.step_timing.StepLog``: per iteration its prefill and decode requests and
+tokens, KV usage, prefix hits, and the client's time), to explain a makespan gap step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from session_gate import run_flags
+from session_gate.sim import cli
+from session_gate.sim.twin import run_twin
+from session_gate.workloads import WORKLOADS
+
+MODES = "none,cap4,cap8,seed,gate"
+TARGETS = {"hit_rate_abs": 0.03, "prefill_tokens_rel": 0.10, "makespan_ratio_rel": 0.15}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m session_gate.lab.sim.fidelity", description=__doc__)
+    run_flags.add_run_flags(p, workloads=WORKLOADS, modes=MODES, scaled_modes=False)
+    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument(
+        "--real-json",
+        nargs="+",
+        help="use these real bench results files instead of running (each may hold any modes "
+        "of any workloads; a mode measured in several files is compared by its mean, and the "
+        "real runs' spread is printed)",
+    )
+    p.add_argument("--real-out", default="sim-fidelity-real.json")
+    p.add_argument("--out", default="sim-fidelity.json")
+    p.add_argument(
+        "--step-log",
+        help="when running the real bench, also write vLLM's per-step stats (one row per output "
+        "batch: time, running, waiting, KV usage, prefix hits, tokens) to this JSON file",
+    )
+    args = p.parse_args(argv)
+    args.mode_list = cli.modes_of(p, args.modes)
+    try:
+        # The twin runs a trace on the profile's replica shape: cpu-tiny's is the bench's engine.
+        args.workloads = run_flags.workloads_of(args, WORKLOADS, trace_profile_shape=True)
+    except (ValueError, OSError) as exc:
+        p.error(str(exc))
+    if "none" not in {m.name for m in args.mode_list}:
+        p.error("the modes must include none (makespans are compared as ratios to it)")
+    return args
+
+
+def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    if args.real_json:
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for path in args.real_json:
+            with open(path) as f:
+                for workload, summaries in json.load(f)["workloads"].items():
+                    for s in summaries:
+                        runs.setdefault(workload, {}).setdefault(s["mode"], []).append(s)
+        return {w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()}
+    from session_gate.lab.bench import __main__ as bench
+
+    # The real bench runs what this command parsed: the same workloads, modes and seed.
+    if args.step_log:
+        with _step_logging(bench) as log:
+            by_workload = asyncio.run(bench.run(args))
+        with open(args.step_log, "w") as f:
+            json.dump(log.rows, f)
+    else:
+        by_workload = asyncio.run(bench.run(args))
+    with open(args.real_out, "w") as f:
+        json.dump({"seed": args.seed, "workloads": by_workload}, f, indent=2)
+    return by_workload
+
+
+def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode's real summary over repeated runs: the mean hit rate, prefill tokens and
+    makespan, with the runs' count and hit-rate range (the real engine's run-to-run spread:
+    thread timing moves admissions, and with them the hits)."""
+    out = dict(runs[0])
+    n = len(runs)
+    hits = [r["hit_rate"] for r in runs]
+    out["hit_rate"] = sum(hits) / n
+    out["prefill_tokens"] = round(sum(r["prefill_tokens"] for r in runs) / n)
+    out["makespan_sec"] = sum(r["makespan_sec"] for r in runs) / n
+    out["runs"] = n
+    out["hit_rate_range"] = [min(hits), max(hits)]
+    return out
+
+
+@contextlib.contextmanager
+def _step_logging(bench: Any) -> Iterator[Any]:
+    """Runs the real bench with a :class:`StepLog` on its engines and a mark at each mode's
+    start (the bench's own engine factory and mode runner, wrapped, restored after)."""
+    from session_gate.lab.engine import launch
+    from session_gate.lab.engine.step_timing import StepLog
+
+    log = StepLog()
+    make, run_mode = launch.make_async_llm, bench.run_mode
+
+    def make_logged(**kwargs: Any) -> Any:
+        return log.async_llm(**kwargs)
+
+    async def run_mode_marked(llm: Any, workload: Any, mode: Any, *rest: Any) -> Any:
+        log.mark(f"{workload.name}/{mode.name}")
+        result = await run_mode(llm, workload, mode, *rest)
+        log.mark(f"{workload.name}/{mode.name}/end")
+        return result
+
+    launch.make_async_llm, bench.run_mode = make_logged, run_mode_marked
+    try:
+        yield log
+    finally:
+        launch.make_async_llm, bench.run_mode = make, run_mode
+
+
+def compare(real: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-mode errors of ``twin`` against ``real`` (summaries of one workload)."""
+    r = {s["mode"]: s for s in real}
+    t = {s["mode"]: s for s in twin}
+    modes = [m for m in t if m in r]
+    per_mode = {}
+    for m in modes:
+        ratio_real = r[m]["makespan_sec"] / r["none"]["makespan_sec"]
+        ratio_twin = t[m]["makespan_sec"] / t["none"]["makespan_sec"]
+        per_mode[m] = {
+            "hit_rate_real": r[m]["hit_rate"],
+            "hit_rate_twin": t[m]["hit_rate"],
+            "hit_rate_abs": t[m]["hit_rate"] - r[m]["hit_rate"],
+            "real_runs": r[m].get("runs", 1),
+            "hit_rate_real_range": r[m].get("hit_rate_range", [r[m]["hit_rate"]] * 2),
+            "prefill_tokens_real": r[m]["prefill_tokens"],
+            "prefill_tokens_twin": t[m]["prefill_tokens"],
+            "prefill_tokens_rel": t[m]["prefill_tokens"] / max(1, r[m]["prefill_tokens"]) - 1,
+            "makespan_real": r[m]["makespan_sec"],
+            "makespan_twin": t[m]["makespan_sec"],
+            "makespan_ratio_real": ratio_real,
+            "makespan_ratio_twin": ratio_twin,
+            "makespan_ratio_rel": ratio_twin / ratio_real - 1,
+        }
+    order_real = sorted(modes, key=lambda m: r[m]["makespan_sec"])
+    order_twin = sorted(modes, key=lambda m: t[m]["makespan_sec"])
+    return {
+        "modes": per_mode,
+        "order_real": order_real,
+        "order_twin": order_twin,
+        "same_order": order_real == order_twin,
+    }
+
+
+def table(workload: str, c: dict[str, Any]) -> str:
+    lines = [
+        f"{workload}: twin (SIMULATED, cpu-tiny) vs real CPU engine (measured)",
+        f"{'mode':<6} {'hit real':>8} {'twin':>6} {'err':>7}  {'prefill real':>12} {'twin':>9} "
+        f"{'err %':>7}  {'span/none real':>14} {'twin':>6} {'err %':>7}  real runs: hit range",
+    ]
+    for m, e in c["modes"].items():
+        lines.append(
+            f"{m:<6} {e['hit_rate_real']:>8.3f} {e['hit_rate_twin']:>6.3f} "
+            f"{e['hit_rate_abs']:>+7.3f}  {e['prefill_tokens_real']:>12,} "
+            f"{e['prefill_tokens_twin']:>9,} {100 * e['prefill_tokens_rel']:>+7.1f}  "
+            f"{e['makespan_ratio_real']:>14.2f} {e['makespan_ratio_twin']:>6.2f} "
+            f"{100 * e['makespan_ratio_rel']:>+7.1f}  {e['real_runs']}: "
+            f"{e['hit_rate_real_range'][0]:.3f}-{e['hit_rate_real_range'][1]:.3f}"
+        )
+    lines.append(f"order by makespan: real {c['order_real']}, twin {c['order_twin']}")
+    return "\n".join(lines)
+
+
+def verdict(comparisons: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    worst = {
+        k: max(
+            (
+                (abs(e[k]), f"{w}/{m}")
+                for w, c in comparisons.items()
+                for m, e in c["modes"].items()
+            ),
+            default=(0.0, ""),
+        )
+        for k in TARGETS
+    }
+    holds = {k: worst[k][0] <= limit for k, limit in TARGETS.items()}
+    holds["same_order"] = all(c["same_order"] for c in comparisons.values())
+    return {
+        "largest_errors": {k: {"value": v, "where": where} for k, (v, where) in worst.items()},
+        "targets": TARGETS,
+        "targets_hold": holds,
+        "all_targets_hold": all(holds.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    real = real_results(args)
+    comparisons = {}
+    for workload in args.workloads:
+        name = workload.name
+        twin = [run_twin(workload, m, args.profile).summary() for m in args.mode_list]
+        comparisons[name] = compare(real[name], twin)
+        print("\n" + table(name, comparisons[name]), flush=True)
+    result = verdict(comparisons)
+    with open(args.out, "w") as f:
+        json.dump({"profile": args.profile, "comparisons": comparisons, **result}, f, indent=2)
+    print(f"\nwrote {args.out}")
+    print(json.dumps({"profile": args.profile, **result}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The modes a run compares (what stands between the sessions and the engine), by name.
+
+One registry serves the replica twin (``python -m session_gate.sim``) and the lab's real bench:
+:func:`mode_names` is what their ``--modes`` help lists and what :meth:`Mode.parse` accepts.
+How each mode runs lives with whatever runs it (the twin's native simulation; the lab bench's
+admission control).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Modes named by their kind alone: no gate, the seed's gate (``pressure="engine"``), the default.
+PLAIN_KINDS = ("none", "seed", "gate")
+#: The controllers users deploy today: prime-rl's adaptive episode concurrency (``aimd``) and
+#: ThunderAgent's tool-boundary pausing (``pause``).
+BASELINE_KINDS = ("aimd", "pause")
+#: What the twin and the real bench compare unless ``--modes`` says otherwise.
+DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
+#: A baseline run with its time constants scaled to the workload's clock (the real bench only:
+#: the twin runs the baselines with their literal constants).
+SCALED_SUFFIX = "-scaled"
+
+
+def mode_names(*, scaled: bool = True) -> list[str]:
+    """Every mode :meth:`Mode.parse` accepts, ``capN`` standing for the static caps (N > 0);
+    without the ``-scaled`` baselines when ``scaled`` is false."""
+    names = ["none", "capN", "seed", "gate"]
+    for kind in BASELINE_KINDS:
+        names += [kind, kind + SCALED_SUFFIX] if scaled else [kind]
+    return names
+
+
+@dataclass(frozen=True)
+class Mode:
+    """``kind`` is ``none``, ``cap`` (session-level cap of ``cap`` sessions, held for a session's
+    whole life), ``seed`` (the seed's gate, ``pressure="engine"``), ``gate`` (the default),
+    ``aimd`` (prime-rl's adaptive episode concurrency) or ``pause`` (ThunderAgent's tool-boundary
+    pausing); ``scaled`` runs a baseline with its time constants scaled to the workload's clock."""
+
+    name: str
+    kind: str
+    cap: int = 0
+    scaled: bool = False
+
+    @staticmethod
+    def parse(text: str) -> Mode:
+        if text in (*PLAIN_KINDS, *BASELINE_KINDS):
+            return Mode(text, text)
+        if text.endswith(SCALED_SUFFIX) and text.removesuffix(SCALED_SUFFIX) in BASELINE_KINDS:
+            return Mode(text, text.removesuffix(SCALED_SUFFIX), scaled=True)
+        if text.startswith("cap") and text[3:].isdigit() and int(text[3:]) > 0:
+            return Mode(text, "cap", int(text[3:]))
+        raise ValueError(f"unknown mode {text!r}: expected one of {', '.join(mode_names())}")
