@@ -325,7 +325,7 @@ class EngineGateBook:
     def prometheus(self) -> str: ...
     def check_invariants(self) -> None: ...
     time_parts: bool
-    """Whether ``admit`` and ``release`` time their parts (``session_gate.lab.engine.gate_splits``)."""
+    """Whether ``admit`` and ``release`` time their parts (the lab's ``gate_splits``)."""
     def last_parts(self) -> list[tuple[str, int]]:
         """The last admit's or release's parts in ns (``args``, ``usage``, ``prefix``,
         ``answer``, ``book``, ``total``) while ``time_parts`` is on."""

@@ -59,7 +59,7 @@ impl LoopTime {
 }
 
 /// Nanoseconds of the last admit or release by part, kept only while `time_parts` is on
-/// (`session_gate.lab.engine.gate_splits`): argument checks, the usage read, the prefix walk, the book and core, and
+/// (the lab's `gate_splits`): argument checks, the usage read, the prefix walk, the book and core, and
 /// the answer dict. The book's part is what the others leave of the whole call.
 #[derive(Default, Clone, Copy)]
 struct Parts {
