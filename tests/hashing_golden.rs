@@ -1,6 +1,6 @@
 //! Golden vectors: our block hashes must equal vLLM 0.32's `hash_block_tokens` bit for bit.
 //!
-//! Generated with the project venv (`/root/.cache/session-gate/venv/bin/python`, vLLM 0.32,
+//! Generated with the project venv (the set-up's virtual environment, vLLM 0.32,
 //! cbor2, xxhash) by this snippet; `h(parent, toks)` is exactly what vLLM's engine computes:
 //!
 //! ```python

@@ -66,7 +66,8 @@ fn a_recomputed_single_token_is_a_prefill_not_a_decode() {
 
 #[test]
 fn gpu_profiles_reproduce_the_published_and_design_figures() {
-    // DESIGN.md: H200 Qwen2.5-7B prefill 8K ≈ 0.22 s, 32K ≈ 1.2 s (one request, chunks of 8192).
+    // Published figures the profile was fitted to: H200 Qwen2.5-7B prefill 8K ≈ 0.22 s,
+    // 32K ≈ 1.2 s (one request, chunks of 8192).
     let m = CostModel::profile("h200-qwen2.5-7b").unwrap();
     let prefill = |len: u32| -> f64 {
         let mut t = 0.0;
