@@ -5,7 +5,9 @@ workers would have), instead of one process driving every session.
 Modes: ``gate`` (a local ``SessionGate`` + ``HttpProbe`` in each client: every client believes it
 owns the whole cache), ``engine-gate`` (``HttpGate``: the one gate in the engine, shared),
 ``middleware`` (a plain client: each request carries only an ``x-session-id`` header, the engine's
-middleware gates it, and nobody ever finishes a session), ``none``; and ``gate@1``, the
+middleware gates it, and nobody ever finishes a session), ``sched`` (the same plain client against
+an engine started with ``SESSION_GATE_SCHEDULER=session-id`` and no middleware: vLLM's scheduler
+asks the gate; a server of its own), ``none``; and ``gate@1``, the
 single-client gate (all sessions in one process) the targets compare against.
 Sessions go to clients round-robin. The table is the bench's own report; the last line is JSON.
 
@@ -41,7 +43,11 @@ from session_gate.modes import Mode
 from session_gate.results import ModeResult, TurnRecord
 from session_gate.workloads import WORKLOADS
 
-MODES = ("gate", "engine-gate", "middleware", "none", "gate@1")
+MODES = ("gate", "engine-gate", "middleware", "sched", "none", "gate@1")
+#: Modes that need the engine started in the gate's scheduler mode (a server of their own).
+SCHEDULER_MODES = ("sched",)
+#: Modes whose client only names each turn's session (an ``x-session-id`` header).
+PLAIN_MODES = ("middleware", "sched")
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 
@@ -90,21 +96,26 @@ def _admission(mode: str, url: str) -> Admission:
         # Its counters live in the engine: run_clients reads them once, after every client.
         admission.stats = dict  # type: ignore[method-assign]
         return admission
-    if mode == "middleware":
-        return _PlainClient(Mode("none", "none"), None)
+    if mode in PLAIN_MODES:
+        plain = _PlainClient(Mode("none", "none"), None)
+        plain.label = mode
+        return plain
     kind = "gate" if mode.startswith("gate") else "none"
     return Admission(Mode(kind, kind), HttpProbe(url))
 
 
 class _PlainClient(Admission):
-    """No admission in the client: it only names each turn's session, which the engine's
-    middleware reads from the header."""
+    """No admission in the client: it only names each turn's session, which the engine reads
+    from the header (the middleware, or vLLM's server for the scheduler mode). Its turns are
+    recorded under ``label``: the engine decides, the client never learns the reason."""
+
+    label = "plain"
 
     @contextlib.asynccontextmanager
     async def turn(self, session_id: str, prompt: list[int], max_tokens: int):  # type: ignore[override]
         token = _SESSION.set(session_id)
         try:
-            yield "middleware", 0.0
+            yield self.label, 0.0
         finally:
             _SESSION.reset(token)
 
@@ -115,7 +126,7 @@ def _client(
     """One client process: drives its sessions and sends back its turn records."""
 
     async def main() -> list[TurnRecord]:
-        engine = _HttpEngine(url, session_header=mode == "middleware", run=run)
+        engine = _HttpEngine(url, session_header=mode in PLAIN_MODES, run=run)
         admission = _admission(mode, url)
         result = await run_mode(
             None,
@@ -164,7 +175,7 @@ def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeRe
         r.ideal_cached_tokens = (system // block) * block
     stats = (
         httpx.get(f"{url}/session_gate/v1/stats", timeout=60).json()
-        if mode in ("engine-gate", "middleware")
+        if mode in ("engine-gate", *PLAIN_MODES)
         else {}
     )
     return ModeResult(
@@ -301,34 +312,54 @@ def main(argv: list[str] | None = None) -> None:
     spec = WORKLOADS[args.workload](args.seed)
     print(spec.describe(), flush=True)
     e = spec.engine
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-clients-"))
-    extra = [
-        "--max-num-seqs", str(e.max_num_seqs),
-        "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-        "--enable-prompt-tokens-details", "--seed", "0", "--middleware", MIDDLEWARE,
-    ]  # fmt: skip
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between modes
     max_len = min(spec.max_prompt_tokens + 64, (e.num_blocks - 1) * e.block_size)
-    proc, url = start_vllm(
-        workdir,
-        num_blocks=e.num_blocks,
-        block_size=e.block_size,
-        max_model_len=max_len,
-        extra_args=extra,
-        env=gate_splits.engine_env() if args.loop_splits else None,
-    )
-    try:
-        summaries = []
-        for mode in modes:
+
+    @contextlib.contextmanager
+    def served(scheduler: bool):
+        """One ``vllm serve`` for a group of modes: with the middleware, or (``scheduler``)
+        with the scheduler mode of the engine gate and nothing else."""
+        workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-clients-"))
+        extra = [
+            "--max-num-seqs", str(e.max_num_seqs),
+            "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--enable-prompt-tokens-details", "--seed", "0",
+        ]  # fmt: skip
+        env = gate_splits.engine_env() if args.loop_splits else {}
+        if scheduler:
+            env = {**env, "SESSION_GATE_SCHEDULER": "session-id"}
+        else:
+            extra += ["--middleware", MIDDLEWARE]
+        proc, url = start_vllm(
+            workdir,
+            num_blocks=e.num_blocks,
+            block_size=e.block_size,
+            max_model_len=max_len,
+            extra_args=extra,
+            env=env or None,
+        )
+        try:
+            yield url
+        finally:
+            stop(proc)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def run(url: str, group: list[str]) -> None:
+        for mode in group:
             started = time.perf_counter()
             result = run_clients(url, args.workload, args.seed, mode, args.clients)
             summaries.append(result.summary())
             print(f"{result.mode}: {time.perf_counter() - started:.0f} s", flush=True)
+
+    summaries = []
+    in_scheduler = [m for m in modes if m in SCHEDULER_MODES]
+    with served(scheduler=False) as url:
+        run(url, [m for m in modes if m not in SCHEDULER_MODES])
         overhead = asyncio.run(_middleware_overhead(url, args.overhead_requests))
         loop_cost = asyncio.run(_engine_loop_cost(url, args.overhead_requests))
-    finally:
-        stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    if in_scheduler:
+        with served(scheduler=True) as url:
+            run(url, in_scheduler)
     if summaries:
         print("\n" + report.table(summaries))
     by_mode = {s["mode"]: s for s in summaries}
