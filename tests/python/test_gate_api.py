@@ -509,7 +509,7 @@ def test_gate_config_is_the_native_knob_tables_gate_rows():
         assert r["env"] == "SESSION_GATE_" + r["name"].upper()
         assert r["doc"] and r["rule"]
     engine = {r["name"] for r in rows if r["home"] == "engine_core"}
-    assert engine == {"lease_ttl_sec", "chain_cache_bytes"}
+    assert engine == {"lease_ttl_sec", "chain_cache_bytes", "scheduler"}
     with pytest.raises(AttributeError, match="lease_ttl_sec"):
         c.lease_ttl_sec  # noqa: B018 - an engine knob is no GateConfig attribute
     with pytest.raises(TypeError, match="lease_ttl_sec"):
