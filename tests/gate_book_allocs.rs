@@ -1,5 +1,5 @@
 //! Heap allocations and time of one admit + release through the engine book with the gate
-//! open: the engine-loop path of issue 11 (README, "What the engine gate costs"), minus
+//! open: the engine-loop path of issue 11 (docs/lab-notes/engine-gate-cost.md), minus
 //! Python. A counting global allocator (this test binary only) counts every allocation the
 //! pair makes; the engine thread runs each call on cold caches, so each one costs far more
 //! there than its arithmetic.

@@ -210,3 +210,30 @@ fn an_idle_room_that_may_yield_goes_before_a_live_reservation_is_revoked() {
     assert_eq!(c.stats().committed_blocks, 60);
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn sessions_that_lost_their_room_still_count_their_gap_when_they_return() {
+    let mut c = core();
+    // The usual gap is 2 s (16 gaps) ...
+    let end = learn_gaps(&mut c, 8, 3, 2.0, 0.0);
+    for s in 0..8 {
+        assert!(c.finish_session(&format!("g{s}"), end));
+    }
+    // ... but two sessions stay away past their 60 s window and come back after 70 s: their
+    // gaps count although they lost their room, and move the 90th percentile to 70 s.
+    one_turn(&mut c, "d1", 5, end, 1.0);
+    one_turn(&mut c, "d2", 5, end, 1.0);
+    let back = end + 71.0;
+    assert_eq!(c.expire(back), 2);
+    one_turn(&mut c, "d1", 5, back, 1.0);
+    one_turn(&mut c, "d2", 5, back, 1.0);
+    assert!(c.finish_session("d1", back + 1.0));
+    assert!(c.finish_session("d2", back + 1.0));
+    // So an idle s1 holds its room for the usual half window (30 s), not 2 x 2 s.
+    one_turn(&mut c, "s1", 50, back + 2.0, 1.0);
+    let (_, action) = turn(&mut c, "s2", 50, back + 4.0);
+    // (Woken by the 5 s poll, not when s1 may yield: with only the 2 s gaps that would be at
+    // back + 3 + 4.)
+    assert_eq!(action, Action::Wait { until: back + 9.0 });
+    c.check_invariants().unwrap();
+}

@@ -128,7 +128,11 @@ impl GateCore {
             return false;
         }
         for (slot, age) in take {
-            if self.sessions.get(slot).reservation.as_ref().map(|r| r.age) == Some(age) {
+            let res = self.sessions.get(slot).reservation.as_ref();
+            if res.map(|r| r.age) == Some(age) {
+                if let Some(until) = res.and_then(|r| r.idle_until) {
+                    self.note_departed(slot, until);
+                }
                 self.drop_reservation(slot);
                 self.sessions.gc(slot);
                 self.stats.revocations += 1;

@@ -34,7 +34,7 @@
 //!
 //! or, sooner, once idle [`GONE_AFTER_GAPS`] (2) times the 90th percentile of the recent
 //! return gaps (release of a session's turn to its next `begin`, over all sessions, once 8 were
-//! seen): a session away that long is more likely finished than in a tool call, and a client
+//! seen; a session that lost its room counts its gap when it returns): a session away that long is more likely finished than in a tool call, and a client
 //! that never calls `finish_session` (a plain HTTP client behind the middleware) cannot say so.
 //!
 //! It yields only to a cold attempt that FIFO lets take free room and that does not fit
@@ -465,6 +465,9 @@ impl GateCore {
                 continue;
             };
             self.ledger.close(res.age, None);
+            if let Some(until) = res.idle_until {
+                self.note_departed(slot, until);
+            }
             self.stats.grace_expired += 1;
             self.sessions.gc(slot);
             n += 1;
@@ -534,9 +537,25 @@ impl GateCore {
         if session.pending.is_some() {
             return;
         }
-        if let Some(until) = session.reservation.as_ref().and_then(|r| r.idle_until) {
-            self.gaps.record(now - (until - self.cfg.idle_grace_sec));
+        match &session.reservation {
+            Some(res) => {
+                if let Some(until) = res.idle_until {
+                    self.gaps.record(now - (until - self.cfg.idle_grace_sec));
+                }
+            }
+            None => {
+                let id = session.id.clone();
+                self.gaps.returned(&id, now);
+            }
         }
+    }
+
+    /// The idle reservation of `slot`, whose window ends at `until`, is taken away (it yielded
+    /// or its window ended): remember when its session went idle, so its gap counts if it
+    /// comes back.
+    fn note_departed(&mut self, slot: u32, until: f64) {
+        let id = self.sessions.get(slot).id.clone();
+        self.gaps.departed(&id, until - self.cfg.idle_grace_sec);
     }
 
     fn attempt_mut(&mut self, id: u64) -> &mut Attempt {
