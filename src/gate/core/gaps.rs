@@ -65,6 +65,10 @@ impl ReturnGaps {
 
     /// `id` is back without a room: records its gap if it was remembered as departed.
     pub(crate) fn returned(&mut self, id: &str, now: f64) {
+        // Every new session's `begin` asks: with nobody departed, skip hashing its id.
+        if self.departed.is_empty() {
+            return;
+        }
         if let Some(since) = self.departed.remove(id) {
             self.record(now - since);
         }

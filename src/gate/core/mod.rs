@@ -543,10 +543,7 @@ impl GateCore {
                     self.gaps.record(now - (until - self.cfg.idle_grace_sec));
                 }
             }
-            None => {
-                let id = session.id.clone();
-                self.gaps.returned(&id, now);
-            }
+            None => self.gaps.returned(&session.id, now),
         }
     }
 
@@ -554,8 +551,8 @@ impl GateCore {
     /// or its window ended): remember when its session went idle, so its gap counts if it
     /// comes back.
     fn note_departed(&mut self, slot: u32, until: f64) {
-        let id = self.sessions.get(slot).id.clone();
-        self.gaps.departed(&id, until - self.cfg.idle_grace_sec);
+        let since = until - self.cfg.idle_grace_sec;
+        self.gaps.departed(&self.sessions.get(slot).id, since);
     }
 
     fn attempt_mut(&mut self, id: u64) -> &mut Attempt {
