@@ -104,6 +104,11 @@ def native_book(
     )
 
 
+def metric_lines(metric: str, kind: str, text: str, value: Any) -> list[str]:
+    """One unlabelled metric in Prometheus' text format: its HELP, TYPE and sample lines."""
+    return [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
+
+
 class EngineGateDriver:
     """The host of the native ``EngineGateBook`` (the gate core, the attempts waiting in it, the
     leases it issued and who holds them; ``src/gate/book.rs``): one native call per utility
@@ -204,8 +209,7 @@ class EngineGateDriver:
             ),
         }
         for name, (kind, value, text) in extra.items():
-            metric = f"session_gate_engine_{name}"
-            lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
+            lines += metric_lines(f"session_gate_engine_{name}", kind, text, value)
         if self.scheduler_gate is not None:
             lines.append(self.scheduler_gate.prometheus().rstrip("\n"))
         return "\n".join(lines) + "\n"

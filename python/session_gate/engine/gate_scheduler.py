@@ -67,6 +67,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from session_gate.engine import gate_binding
+from session_gate.engine.gate_driver import metric_lines
 
 logger = logging.getLogger("session_gate")
 
@@ -228,11 +229,10 @@ class SchedulerGate:
             if lease is not None:
                 self._driver.release_bound(lease)
             return
-        if self._queued:
-            if rid in self._queued:
-                self._queued.discard(rid)
-                self.counters["aborted_while_held"] += 1
-                return
+        if rid in self._queued:
+            self._queued.discard(rid)
+            self.counters["aborted_while_held"] += 1
+            return
         held = self._held.pop(rid, None)
         if held is None:
             return
@@ -307,8 +307,7 @@ class SchedulerGate:
             *(f'{metric}{{reason="{reason}"}} {n}' for reason, n in by_reason),
         ]
         for name, kind, text, value in rows:
-            metric = f"session_gate_scheduler_{name}"
-            lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}", f"{metric} {value}"]
+            lines += metric_lines(f"session_gate_scheduler_{name}", kind, text, value)
         return "\n".join(lines) + "\n"
 
 

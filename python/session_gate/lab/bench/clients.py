@@ -97,9 +97,7 @@ def _admission(mode: str, url: str) -> Admission:
         admission.stats = dict  # type: ignore[method-assign]
         return admission
     if mode in PLAIN_MODES:
-        plain = _PlainClient(Mode("none", "none"), None)
-        plain.label = mode
-        return plain
+        return _PlainClient(mode)
     kind = "gate" if mode.startswith("gate") else "none"
     return Admission(Mode(kind, kind), HttpProbe(url))
 
@@ -107,9 +105,12 @@ def _admission(mode: str, url: str) -> Admission:
 class _PlainClient(Admission):
     """No admission in the client: it only names each turn's session, which the engine reads
     from the header (the middleware, or vLLM's server for the scheduler mode). Its turns are
-    recorded under ``label``: the engine decides, the client never learns the reason."""
+    recorded under ``label`` (the mode): the engine decides, the client never learns the
+    reason."""
 
-    label = "plain"
+    def __init__(self, label: str) -> None:
+        super().__init__(Mode("none", "none"), None)
+        self.label = label
 
     @contextlib.asynccontextmanager
     async def turn(self, session_id: str, prompt: list[int], max_tokens: int):  # type: ignore[override]
