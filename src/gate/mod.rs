@@ -8,6 +8,7 @@ pub mod book;
 pub mod config;
 pub mod core;
 pub mod driver;
+pub mod infer;
 pub mod knobs;
 mod ledger;
 pub mod metrics;
