@@ -26,6 +26,7 @@ __all__ = [
     "ProbePrefix",
     "ProbeUsage",
     "SimKvManager",
+    "SessionInference",
     "SimReplica",
     "Wait",
     "count_cached_free_blocks",
@@ -453,6 +454,23 @@ class PauseController:
     @property
     def next_forced_resume(self) -> float | None: ...
     def stats(self) -> dict[str, int]: ...
+
+# --------------------------------------------------------------------------- inference.rs
+
+@final
+class SessionInference:
+    """Which session a request without a session id continues (``src/gate/infer.rs``): the idle
+    session whose own blocks (past its last prompt) the request's prompt contains, else new."""
+
+    def __new__(cls, max_idle: int = 65536) -> SessionInference: ...
+    def arrive(
+        self, prompt_hashes: Sequence[bytes | int]
+    ) -> tuple[int, Literal["continued", "ambiguous", "new"]]: ...
+    def finish(
+        self, session: int, block_hashes: Sequence[bytes | int], prompt_blocks: int
+    ) -> None: ...
+    def stats(self) -> dict[str, int]:
+        """``continued``, ``ambiguous``, ``new``, ``no_own_block``, ``forgotten``, ``idle``."""
 
 # --------------------------------------------------------------------------- twin (sim_pool.rs)
 

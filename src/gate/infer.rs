@@ -25,8 +25,8 @@
 //! hashes at all). Both show as `new` in the counts.
 use std::collections::{HashMap, VecDeque};
 
-/// A block hash as the inference keys it (vLLM's bytes hashes are folded to their first 8
-/// bytes by the caller; the twin's hashes are already `u64`).
+/// A block hash as the inference keys it (vLLM's bytes hashes are folded to one `u64` by the
+/// caller; the twin's hashes are already `u64`).
 pub type ChainHash = u64;
 
 /// Idle sessions remembered by default: the oldest is forgotten beyond this.

@@ -272,11 +272,11 @@ pub const KNOBS: &[Knob] = &[
         name: "scheduler",
         env: "SESSION_GATE_SCHEDULER",
         rule: Rule::OneOf {
-            names: &["off", "session-id"],
-            why: "expected \"off\" or \"session-id\"",
+            names: &["off", "session-id", "infer"],
+            why: "expected \"off\", \"session-id\" or \"infer\"",
         },
         default: Value::Name("off"),
-        doc: "Engine gate: gate waiting requests that carry a session id in vLLM's scheduler.",
+        doc: "Engine gate: gate waiting requests in vLLM's scheduler, by their session id (session-id) or also by the session inferred from their blocks (infer).",
         home: Home::EngineCore,
     },
 ];

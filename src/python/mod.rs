@@ -15,6 +15,7 @@ mod engine_book;
 mod errors;
 mod gate_core;
 mod guard;
+mod inference;
 mod knobs;
 mod residency;
 mod sim;
@@ -34,5 +35,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "proxy")]
     cli::register(m)?;
     sim_pool::register(m)?;
+    inference::register(m)?;
     Ok(())
 }

@@ -21,10 +21,12 @@ def test_the_setting_is_off_by_default(monkeypatch, value):
     assert gate_scheduler.mode_from_env() == "off"
 
 
-def test_session_id_mode_and_bad_values(monkeypatch):
+def test_session_id_and_infer_modes_and_bad_values(monkeypatch):
     monkeypatch.setenv("SESSION_GATE_SCHEDULER", "Session-ID")
     assert gate_scheduler.mode_from_env() == "session-id"
-    for bad in ("infer", "on", "1"):
+    monkeypatch.setenv("SESSION_GATE_SCHEDULER", "infer")
+    assert gate_scheduler.mode_from_env() == "infer"
+    for bad in ("inferred", "on", "1"):
         monkeypatch.setenv("SESSION_GATE_SCHEDULER", bad)
         with pytest.raises(ValueError, match=f"SESSION_GATE_SCHEDULER.*{bad}"):
             gate_scheduler.mode_from_env()
@@ -200,3 +202,53 @@ def test_tickets_do_not_depend_on_request_ids_clients_choose():
     assert gate.ready(request("r", "s2")) is True
     assert [t for _, t, _, _ in driver._book.admits] == ["sched:0", "sched:1"]
     assert gate.stats()["bad_session_ids"] == 0
+
+
+def hashed(rid: str, hashes: list[bytes], prompt: int) -> SimpleNamespace:
+    """A request without an id whose first ``prompt`` block hashes are its prompt's."""
+    r = request(rid, session=None)
+    r.block_hashes = hashes[:prompt]
+    return r
+
+
+def test_infer_mode_keys_requests_without_an_id_by_the_session_they_continue():
+    pytest.importorskip("session_gate._native")
+    driver = Driver()
+    gate = SchedulerGate(driver, infer=True)
+    shared = [b"sys-prompt-0001", b"task-prompt-01"]
+    # Two first turns from one task prompt: two sessions, never merged.
+    a, b = hashed("a1", shared, 2), hashed("b1", shared, 2)
+    driver._book.answers += [admitted(1), admitted(2)]
+    assert gate.ready(a) and gate.ready(b)
+    first = [adm[0] for adm in driver._book.admits]
+    assert first[0] != first[1] and all(k.startswith("infer:") for k in first)
+    # Each answers with a block of its own, then frees.
+    a.block_hashes = shared + [b"answer-of-a-001"]
+    b.block_hashes = shared + [b"answer-of-b-001"]
+    gate.on_free(b)
+    gate.on_free(a)
+    assert driver.released == [2, 1]
+    # Their second turns carry their answers: each continues its own session.
+    driver._book.answers += [admitted(3), admitted(4)]
+    a2 = hashed("a2", shared + [b"answer-of-a-001", b"tool-result-a01"], 4)
+    b2 = hashed("b2", shared + [b"answer-of-b-001", b"tool-result-b01"], 4)
+    assert gate.ready(b2) and gate.ready(a2)
+    assert [adm[0] for adm in driver._book.admits[2:]] == [first[1], first[0]]
+    # A request with an id keeps it; one with neither hashes nor an id is a new session.
+    driver._book.answers += [admitted(5), admitted(6)]
+    assert gate.ready(request("c1", session="explicit"))
+    assert gate.ready(hashed("d1", [], 0))
+    assert driver._book.admits[4][0] == "explicit"
+    assert driver._book.admits[5][0] not in first
+    stats = gate.stats()
+    assert stats["mode"] == "infer"
+    assert stats["inferred"]["continued"] == 2 and stats["inferred"]["new"] == 3
+    text = gate.prometheus()
+    assert 'session_gate_scheduler_inferred_total{kind="continued"} 2' in text
+
+
+def test_session_id_mode_never_infers():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    assert gate.ready(hashed("x", [b"h"], 1))
+    assert driver._book.admits == [] and "inferred" not in gate.stats()

@@ -141,12 +141,19 @@ def session_gate_renew(self: EngineCore, client_id: Any) -> dict[str, Any]:
 
 
 def session_gate_stats(self: EngineCore, fmt: Any = "json") -> Any:
-    """The gate's counters as a dict (``fmt="json"``) or Prometheus text (``"prometheus"``)."""
+    """The gate's counters as a dict (``fmt="json"``) or Prometheus text (``"prometheus"``);
+    ``"inferred"``: the scheduler mode's recent inferences (``infer``), a list of
+    ``[request_id, session, kind]``, oldest first (empty in other modes)."""
     if fmt == "json":
         return _driver(self).stats()
     if fmt == "prometheus":
         return _driver(self).prometheus()
-    raise ValueError(f'{BAD_GATE_INPUT}: fmt must be "json" or "prometheus", got {fmt!r}')
+    if fmt == "inferred":
+        gate = getattr(_driver(self), "scheduler_gate", None)
+        return [list(row) for row in gate.recent_inferred] if gate is not None else []
+    raise ValueError(
+        f'{BAD_GATE_INPUT}: fmt must be "json", "prometheus" or "inferred", got {fmt!r}'
+    )
 
 
 UTILITY_METHODS = {

@@ -3,9 +3,10 @@ waiting request that carries a session id, so every client is gated with nothing
 the id it already sends.
 
 The setting. ``SESSION_GATE_SCHEDULER`` in the environment of ``vllm serve`` (or of the process
-that builds an ``AsyncLLM``): ``off`` (the default) or ``session-id``. ``infer`` (sessions
-inferred for requests that carry no id) is not built yet and is refused, like any other value,
-with an error that names the variable: the plugin then logs it and serves without the gate.
+that builds an ``AsyncLLM``): ``off`` (the default), ``session-id``, or ``infer`` (``session-id``, and requests that
+carry no id are gated under the session *inferred* from their blocks, below). Any other value
+is refused with an error that names the variable: the plugin then logs it and serves without
+this mode (the other doors stay up).
 
 Where the id comes from. vLLM 0.32+ carries a session identity to the engine core: the OpenAI
 server reads the body field ``session_id`` (chat, completions, responses), else the
@@ -40,6 +41,22 @@ the lease TTL never drops a running request's lease.
 admitted anyway with reason ``max_wait`` and scheduled, so a turn never starves. (The lease doors
 share the book, so the bound applies to their admits too.)
 
+Inference (``infer``). For clients that send no id at all (``LLM.generate``, an in-process
+``AsyncLLM`` as verl calls it), a request is matched to the session whose previous request it
+extends, by ``SessionInference`` (``src/gate/infer.rs``) over the block hashes vLLM already
+computed for it (``request.block_hashes``; no hashing of ours). When a request is freed, the
+hashes of its blocks past its prompt (the model's answer) become its session's *own* blocks; a
+new request continues the idle session whose own block it contains at the deepest position,
+else it is a new session, keyed ``infer:<n>`` in the book. Blocks many sessions share (a system
+prompt, a GRPO group's task prompt) are prompt blocks, never own blocks, so they never merge
+sessions; identical histories (greedy decoding from one prompt) continue one of them and count
+as ``ambiguous``. What defeats it: a client that re-renders earlier turns differently (a chat
+template that drops earlier reasoning, text re-tokenized differently from the tokens the model
+produced), answers shorter than a block (``no_own_block``), prefix caching off (no hashes). It
+shows in the counters under ``scheduler.inferred`` (``continued`` / ``ambiguous`` / ``new`` /
+``no_own_block`` / ``forgotten`` / ``idle``) and as ``session_gate_scheduler_inferred_total``.
+A request that carries an id is gated by its id in this mode too.
+
 Bad ids. vLLM passes the header's bytes through (latin-1 decoded): any non-empty id is a
 ``str``. An id the book refuses (longer than 256 characters) is not gated: the request is
 scheduled as if it had no id and counted under ``bad_session_ids``; the engine core never fails
@@ -62,7 +79,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any
 
@@ -76,20 +93,24 @@ _now = time.monotonic
 #: The setting and its values.
 OFF = "off"
 SESSION_ID = "session-id"
+INFER = "infer"
 #: ``max_wait_sec`` of the book in this mode when ``SESSION_GATE_MAX_WAIT_SEC`` sets none.
 DEFAULT_MAX_WAIT_SEC = 120.0
+#: Inferences kept for ``session_gate_stats("inferred")``.
+RECENT_INFERRED = 4096
 #: The book's client that holds the scheduler's leases and attempts.
 SCHEDULER_CLIENT = "session_gate-scheduler"
 #: Where the scheduler keeps its gate (set by :func:`attach`).
 SCHEDULER_GATE_ATTR = gate_binding.SCHEDULER_GATE_ATTR
 
-#: Whether this process's ``Scheduler`` and ``EngineCore`` are wrapped.
+#: Whether this process's ``Scheduler`` and ``EngineCore`` are wrapped, and in which mode.
 installed = False
+mode = OFF
 
 
 def mode_from_env() -> str:
-    """``SESSION_GATE_SCHEDULER`` through the knob table: ``off`` (unset too) or ``session-id``;
-    any other value raises ``ValueError`` naming the variable and the value."""
+    """``SESSION_GATE_SCHEDULER`` through the knob table: ``off`` (unset too), ``session-id`` or
+    ``infer``; any other value raises ``ValueError`` naming the variable and the value."""
     from session_gate import _native
 
     try:
@@ -125,11 +146,20 @@ class SchedulerGate:
 
     ``_decided`` maps a request id to its lease (an int) or ``None`` (scheduled ungated);
     ``_held`` maps a request id to its pending admit; ``_held_sessions`` a session to the
-    request id whose admit is pending."""
+    request id whose admit is pending. With ``infer``, ``_inferred`` maps a request without an
+    id to its inferred session's number and its prompt's full blocks."""
 
-    def __init__(self, driver: Any) -> None:
+    def __init__(self, driver: Any, infer: bool = False) -> None:
+        from session_gate import _native
+
         self._driver = driver
         self._book = driver._book
+        self.mode = INFER if infer else SESSION_ID
+        self._inference = _native.SessionInference() if infer else None
+        self._inferred: dict[str, tuple[int, int]] = {}
+        #: The last inferences, ``(request_id, "infer:<n>", kind)``: what
+        #: ``session_gate_stats("inferred")`` answers (to audit the rule on a known workload).
+        self.recent_inferred: deque[tuple[str, str, str]] = deque(maxlen=RECENT_INFERRED)
         self._decided: dict[str, int | None] = {}
         self._held: dict[str, _Held] = {}
         self._held_sessions: dict[str, str] = {}
@@ -159,6 +189,8 @@ class SchedulerGate:
         session_id = request.session_id
         params = request.sampling_params
         tokens = request.prompt_token_ids
+        if not (isinstance(session_id, str) and session_id) and self._inference is not None:
+            session_id = self._infer(request, rid)
         if not isinstance(session_id, str) or params is None or not tokens:
             self._decided[rid] = None
             self.counters["ungated"] += 1
@@ -200,6 +232,19 @@ class SchedulerGate:
             return False
         return self._answered(rid, None, answer)
 
+    def _infer(self, request: Any, rid: str) -> str | None:
+        """The inferred session of a request without an id (once per request: a later look
+        reuses it); ``None`` for requests that are never gated."""
+        known = self._inferred.get(rid)
+        if known is None:
+            if request.sampling_params is None or not request.prompt_token_ids:
+                return None
+            hashes = request.block_hashes
+            number, kind = self._inference.arrive(hashes)  # counted by the inference
+            known = self._inferred[rid] = (number, len(hashes))
+            self.recent_inferred.append((rid, f"infer:{number}", kind))
+        return f"infer:{known[0]}"
+
     def _answered(self, rid: str, held: _Held | None, answer: dict[str, Any]) -> bool:
         if held is not None:
             del self._held[rid]
@@ -224,6 +269,10 @@ class SchedulerGate:
     def on_free(self, request: Any) -> None:
         """Releases the request's lease, or withdraws its pending admit (an aborted hold)."""
         rid = request.request_id
+        inferred = self._inferred.pop(rid, None)
+        if inferred is not None:
+            # Its answer's blocks become its session's own blocks: the next turn continues it.
+            self._inference.finish(inferred[0], request.block_hashes, inferred[1])
         if rid in self._decided:
             lease = self._decided.pop(rid)
             if lease is not None:
@@ -272,7 +321,9 @@ class SchedulerGate:
                 "hold_ms_total",
             )
         }
-        out["mode"] = SESSION_ID
+        out["mode"] = self.mode
+        if self._inference is not None:
+            out["inferred"] = self._inference.stats()
         out["holding"] = len(self._held) + len(self._queued)
         out["leases"] = sum(1 for lease in self._decided.values() if lease is not None)
         out["admitted_by_reason"] = dict(self.admitted_by_reason)
@@ -306,6 +357,16 @@ class SchedulerGate:
             f"# TYPE {metric} counter",
             *(f'{metric}{{reason="{reason}"}} {n}' for reason, n in by_reason),
         ]
+        if "inferred" in s:
+            metric = "session_gate_scheduler_inferred_total"
+            lines += [
+                f"# HELP {metric} Requests without a session id, by what inference decided",
+                f"# TYPE {metric} counter",
+                *(
+                    f'{metric}{{kind="{kind}"}} {s["inferred"][kind]}'
+                    for kind in ("continued", "ambiguous", "new")
+                ),
+            ]
         for name, kind, text, value in rows:
             lines += metric_lines(f"session_gate_scheduler_{name}", kind, text, value)
         return "\n".join(lines) + "\n"
@@ -318,17 +379,17 @@ def attach(scheduler: Any, driver: Any) -> SchedulerGate | None:
         return None
     gate = scheduler.__dict__.get(SCHEDULER_GATE_ATTR)
     if gate is None:
-        gate = SchedulerGate(driver)
+        gate = SchedulerGate(driver, infer=mode == INFER)
         scheduler.__dict__[SCHEDULER_GATE_ATTR] = gate
         driver.scheduler_gate = gate
     return gate
 
 
-def _wrap_handle_blocked(original: Any) -> Any:
+def _wrap_handle_blocked(original: Any, infer: bool) -> Any:
     def _handle_blocked_waiting_request(self: Any, request: Any) -> bool:
         if not original(self, request):
             return False
-        if not request.session_id:
+        if not infer and not request.session_id:
             return True
         gate = self.__dict__.get(SCHEDULER_GATE_ATTR)
         if gate is None:  # no gate on this scheduler (the engine core has none): ungated
@@ -360,7 +421,7 @@ def _start(core: Any) -> None:
         core.__dict__[SCHEDULER_GATE_ATTR] = driver.scheduler_gate
         logger.info(
             "session_gate: scheduler mode %s (max_wait %.1f s)",
-            SESSION_ID,
+            mode,
             driver.config.max_wait_sec,
         )
     except Exception:  # noqa: BLE001 - vLLM serves ungated rather than not at all
@@ -371,17 +432,19 @@ def install() -> bool:
     """In scheduler mode, wraps ``Scheduler._handle_blocked_waiting_request`` and
     ``EngineCore.add_request`` (idempotent); False when the setting is off. Raises
     ``ValueError`` for a bad setting and ``AttributeError`` for a vLLM without the hook."""
-    global installed
+    global installed, mode
     if installed:
         return True
-    if mode_from_env() == OFF:
+    wanted = mode_from_env()
+    if wanted == OFF:
         return False
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
     handle = Scheduler._handle_blocked_waiting_request
     add = EngineCore.add_request
-    Scheduler._handle_blocked_waiting_request = _wrap_handle_blocked(handle)
+    Scheduler._handle_blocked_waiting_request = _wrap_handle_blocked(handle, wanted == INFER)
     EngineCore.add_request = _wrap_add_request(add)
     installed = True
+    mode = wanted
     return True
