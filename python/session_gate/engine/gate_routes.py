@@ -13,7 +13,8 @@ plugin beside the probe routes, ``http_routes``). All POST, all JSON; errors in 
 ``/session_gate/v1/cancel``   ``{"ticket": t}`` → ``{"cancelled": bool}``
 ``/session_gate/v1/finish``   ``{"session_id": s}`` → ``{"finished": bool}``
 ``/session_gate/v1/renew``    ``{"client_id": c}`` → ``{"lease_ttl_sec", "leases", "pending"}``
-``/session_gate/v1/stats``    the gate's counters; ``?format=prometheus`` for text.
+``/session_gate/v1/stats``    the gate's counters; ``?format=prometheus`` for text;
+                              ``?format=inferred``: the scheduler mode's recent inferences.
 
 Leases and clients: a lease belongs to its ``client_id``; the engine frees it when that client
 has not called for ``lease_ttl_sec`` (``SESSION_GATE_LEASE_TTL_SEC``). ``HttpGate`` sends a
@@ -193,8 +194,10 @@ async def stats(request: Request) -> Response:
     try:
         routes = _routes(request)
         fmt = request.query_params.get("format", "json")
-        if fmt not in ("json", "prometheus"):
-            raise ProbeError(400, f'format must be "json" or "prometheus", got {fmt!r}')
+        if fmt not in ("json", "prometheus", "inferred"):
+            raise ProbeError(
+                400, f'format must be "json", "prometheus" or "inferred", got {fmt!r}'
+            )
         answer = await routes.call("session_gate_stats", fmt)
         if fmt == "prometheus":
             return PlainTextResponse(answer, media_type="text/plain; version=0.0.4")

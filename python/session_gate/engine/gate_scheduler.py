@@ -3,8 +3,8 @@ waiting request that carries a session id, so every client is gated with nothing
 the id it already sends.
 
 The setting. ``SESSION_GATE_SCHEDULER`` in the environment of ``vllm serve`` (or of the process
-that builds an ``AsyncLLM``): ``off`` (the default), ``session-id``, or ``infer`` (``session-id``, and requests that
-carry no id are gated under the session *inferred* from their blocks, below). Any other value
+that builds an ``AsyncLLM``): ``off`` (the default), ``session-id``, or ``infer``
+(``session-id``, and requests that carry no id are gated under the session *inferred* from their blocks, below). Any other value
 is refused with an error that names the variable: the plugin then logs it and serves without
 this mode (the other doors stay up).
 
