@@ -4,9 +4,9 @@ the id it already sends.
 
 The setting. ``SESSION_GATE_SCHEDULER`` in the environment of ``vllm serve`` (or of the process
 that builds an ``AsyncLLM``): ``off`` (the default), ``session-id``, or ``infer``
-(``session-id``, and requests that carry no id are gated under the session *inferred* from their blocks, below). Any other value
-is refused with an error that names the variable: the plugin then logs it and serves without
-this mode (the other doors stay up).
+(``session-id``, and requests that carry no id are gated under the session *inferred* from
+their blocks, below). Any other value is refused with an error that names the variable: the
+plugin then logs it and serves without this mode (the other doors stay up).
 
 Where the id comes from. vLLM 0.32+ carries a session identity to the engine core: the OpenAI
 server reads the body field ``session_id`` (chat, completions, responses), else the
