@@ -195,9 +195,7 @@ async def stats(request: Request) -> Response:
         routes = _routes(request)
         fmt = request.query_params.get("format", "json")
         if fmt not in ("json", "prometheus", "inferred"):
-            raise ProbeError(
-                400, f'format must be "json", "prometheus" or "inferred", got {fmt!r}'
-            )
+            raise ProbeError(400, f'format must be "json", "prometheus" or "inferred", got {fmt!r}')
         answer = await routes.call("session_gate_stats", fmt)
         if fmt == "prometheus":
             return PlainTextResponse(answer, media_type="text/plain; version=0.0.4")
