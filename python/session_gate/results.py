@@ -82,6 +82,9 @@ class ModeResult:
             # poll saw (vLLM's usage leaves out idle sessions' cached prefixes).
             keys = ("polls", "soft_cuts", "hard_cuts", "cancelled", "peak_usage")
             out["aimd"] = {k: stats[k] for k in keys}
+        if "infer_audit" in stats:
+            # The session inference checked against the truth (the real bench's sched-infer).
+            out["infer_audit"] = stats["infer_audit"]
         if self.replica_stats:
             out["replica"] = self.replica_stats
         return out

@@ -97,7 +97,7 @@ INFER = "infer"
 #: ``max_wait_sec`` of the book in this mode when ``SESSION_GATE_MAX_WAIT_SEC`` sets none.
 DEFAULT_MAX_WAIT_SEC = 120.0
 #: Inferences kept for ``session_gate_stats("inferred")``.
-RECENT_INFERRED = 4096
+RECENT_INFERRED = 16384
 #: The book's client that holds the scheduler's leases and attempts.
 SCHEDULER_CLIENT = "session_gate-scheduler"
 #: Where the scheduler keeps its gate (set by :func:`attach`).

@@ -7,7 +7,11 @@ owns the whole cache), ``engine-gate`` (``HttpGate``: the one gate in the engine
 ``middleware`` (a plain client: each request carries only an ``x-session-id`` header, the engine's
 middleware gates it, and nobody ever finishes a session), ``sched`` (the same plain client against
 an engine started with ``SESSION_GATE_SCHEDULER=session-id`` and no middleware: vLLM's scheduler
-asks the gate; a server of its own), ``none``; and ``gate@1``, the
+asks the gate; a server of its own), ``sched-infer`` (a client that names nothing at all against
+an engine started with ``SESSION_GATE_SCHEDULER=infer``: the gate infers each turn's session from
+its blocks; a server of its own, and the inference is audited against the truth: each request
+carries vLLM's standard ``X-Request-Id``, which the gate does not read, and the engine's list of
+recent inferences is matched to it), ``none``; and ``gate@1``, the
 single-client gate (all sessions in one process) the targets compare against.
 Sessions go to clients round-robin. The table is the bench's own report; the last line is JSON.
 
@@ -43,11 +47,14 @@ from session_gate.modes import Mode
 from session_gate.results import ModeResult, TurnRecord
 from session_gate.workloads import WORKLOADS
 
-MODES = ("gate", "engine-gate", "middleware", "sched", "none", "gate@1")
-#: Modes that need the engine started in the gate's scheduler mode (a server of their own).
-SCHEDULER_MODES = ("sched",)
-#: Modes whose client only names each turn's session (an ``x-session-id`` header).
-PLAIN_MODES = ("middleware", "sched")
+MODES = ("gate", "engine-gate", "middleware", "sched", "sched-infer", "none", "gate@1")
+#: Modes that need the engine started in the gate's scheduler mode (a server of their own), and
+#: the ``SESSION_GATE_SCHEDULER`` setting each needs.
+SCHEDULER_MODES = {"sched": "session-id", "sched-infer": "infer"}
+#: Modes with no admission in the client.
+PLAIN_MODES = ("middleware", "sched", "sched-infer")
+#: Plain modes whose client names each turn's session (an ``x-session-id`` header).
+NAMED_MODES = ("middleware", "sched")
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 
@@ -58,13 +65,18 @@ _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session",
 class _HttpEngine:
     """What ``run_mode`` needs from an engine, over ``/v1/completions`` with token ids. With
     ``session_header`` each request carries ``x-session-id`` (the turn's session, tagged with
-    ``run`` so sessions of an earlier mode on the same server are not continued)."""
+    ``run`` so sessions of an earlier mode on the same server are not continued); with
+    ``request_ids``, vLLM's ``X-Request-Id`` naming the run, session and turn (for the audit of
+    the session inference, :func:`infer_audit`)."""
 
-    def __init__(self, url: str, session_header: bool = False, run: str = "") -> None:
+    def __init__(
+        self, url: str, session_header: bool = False, run: str = "", request_ids: bool = False
+    ) -> None:
         import httpx
 
         self.url = url
         self.session_header = session_header
+        self.request_ids = request_ids
         self.run = run
         self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64))
 
@@ -80,6 +92,10 @@ class _HttpEngine:
         headers = {}
         if self.session_header:
             headers["x-session-id"] = f"{_SESSION.get()}@{self.run}"
+        if self.request_ids:
+            # request_id is "<mode>-<session>-<turn>.<attempt>"
+            turn = request_id.rsplit("-", 1)[1].split(".")[0]
+            headers["x-request-id"] = f"{self.run}|{_SESSION.get()}|{turn}"
         r = await self.http.post(f"{self.url}/v1/completions", json=body, headers=headers)
         r.raise_for_status()
         out = r.json()
@@ -127,7 +143,9 @@ def _client(
     """One client process: drives its sessions and sends back its turn records."""
 
     async def main() -> list[TurnRecord]:
-        engine = _HttpEngine(url, session_header=mode in PLAIN_MODES, run=run)
+        engine = _HttpEngine(
+            url, session_header=mode in NAMED_MODES, run=run, request_ids=mode == "sched-infer"
+        )
         admission = _admission(mode, url)
         result = await run_mode(
             None,
@@ -179,9 +197,51 @@ def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeRe
         if mode in ("engine-gate", *PLAIN_MODES)
         else {}
     )
+    if mode == "sched-infer":
+        rows = httpx.get(
+            f"{url}/session_gate/v1/stats", params={"format": "inferred"}, timeout=60
+        ).json()
+        stats["infer_audit"] = infer_audit(rows, run)
     return ModeResult(
         mode if k == 1 or mode == "gate@1" else f"{mode}×{k}", workload, makespan, records, stats
     )
+
+
+def infer_audit(rows: list[list[str]], run: str) -> dict[str, Any]:
+    """How the engine's inferences (``[request_id, session, kind]``, as
+    ``/session_gate/v1/stats?format=inferred`` lists them) match the truth of ``run``: a first
+    turn is right when it starts a session no other true session had, a later turn when it
+    continues its own session's previous inferred session. Engine request ids are
+    ``cmpl-<X-Request-Id>-<prompt index>-<suffix>``."""
+    by_session: dict[str, dict[int, tuple[str, str]]] = {}
+    for rid, inferred, kind in rows:
+        if not rid.startswith(f"cmpl-{run}|"):
+            continue
+        _run, session, turn = rid.removeprefix("cmpl-").rsplit("-", 2)[0].split("|")
+        by_session.setdefault(session, {})[int(turn)] = (inferred, kind)
+    owners: dict[str, set[str]] = {}
+    for session, turns in by_session.items():
+        for inferred, _ in turns.values():
+            owners.setdefault(inferred, set()).add(session)
+    confusion = {"first_new": 0, "first_merged": 0, "continued_own": 0, "new_instead": 0}
+    confusion["continued_other"] = 0
+    for session, turns in by_session.items():
+        for t, (inferred, kind) in sorted(turns.items()):
+            if t == 0 or t - 1 not in turns:
+                right = kind == "new" and owners[inferred] == {session}
+                confusion["first_new" if right else "first_merged"] += 1
+            elif inferred == turns[t - 1][0]:
+                confusion["continued_own"] += 1
+            else:
+                confusion["new_instead" if kind == "new" else "continued_other"] += 1
+    total = sum(confusion.values())
+    right = confusion["first_new"] + confusion["continued_own"]
+    return {
+        "turns": total,
+        "in_true_session": right / total if total else 0.0,
+        "merged_sessions": sum(1 for s in owners.values() if len(s) > 1),
+        **confusion,
+    }
 
 
 async def _middleware_overhead(url: str, n: int) -> dict[str, float]:
@@ -317,9 +377,9 @@ def main(argv: list[str] | None = None) -> None:
     max_len = min(spec.max_prompt_tokens + 64, (e.num_blocks - 1) * e.block_size)
 
     @contextlib.contextmanager
-    def served(scheduler: bool):
-        """One ``vllm serve`` for a group of modes: with the middleware, or (``scheduler``)
-        with the scheduler mode of the engine gate and nothing else."""
+    def served(scheduler: str | None):
+        """One ``vllm serve`` for a group of modes: with the middleware, or with the scheduler
+        mode ``scheduler`` of the engine gate and nothing else."""
         workdir = Path(tempfile.mkdtemp(prefix="session-gate-bench-clients-"))
         extra = [
             "--max-num-seqs", str(e.max_num_seqs),
@@ -328,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
         ]  # fmt: skip
         env = gate_splits.engine_env() if args.loop_splits else {}
         if scheduler:
-            env = {**env, "SESSION_GATE_SCHEDULER": "session-id"}
+            env = {**env, "SESSION_GATE_SCHEDULER": scheduler}
         else:
             extra += ["--middleware", MIDDLEWARE]
         proc, url = start_vllm(
@@ -353,14 +413,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{result.mode}: {time.perf_counter() - started:.0f} s", flush=True)
 
     summaries = []
-    in_scheduler = [m for m in modes if m in SCHEDULER_MODES]
-    with served(scheduler=False) as url:
+    with served(scheduler=None) as url:
         run(url, [m for m in modes if m not in SCHEDULER_MODES])
         overhead = asyncio.run(_middleware_overhead(url, args.overhead_requests))
         loop_cost = asyncio.run(_engine_loop_cost(url, args.overhead_requests))
-    if in_scheduler:
-        with served(scheduler=True) as url:
-            run(url, in_scheduler)
+    for mode in (m for m in modes if m in SCHEDULER_MODES):
+        with served(scheduler=SCHEDULER_MODES[mode]) as url:
+            run(url, [mode])
     if summaries:
         print("\n" + report.table(summaries))
     by_mode = {s["mode"]: s for s in summaries}
@@ -382,6 +441,11 @@ def main(argv: list[str] | None = None) -> None:
         }
         for s in summaries
     }
+    for s in summaries:
+        audit = s.get("infer_audit")
+        if audit is not None:
+            figures[s["mode"]]["infer_audit"] = audit
+            print(f"{s['mode']} inference: {json.dumps(audit)}")
     print(
         json.dumps(
             {
