@@ -215,6 +215,20 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="vllm.v1.request.Request.block_hashes (read only)",
+        how="with SESSION_GATE_SCHEDULER=infer, read by the scheduler's gate when it first looks "
+        "at a request without a session id (the prompt's full blocks: its length is the prompt "
+        "block count) and when vLLM frees it (prompt and answer blocks, extended by "
+        "Request.update_block_hashes as output tokens are appended); never written",
+        why="session inference matches a request to the session whose answer blocks it contains, "
+        "from the hashes vLLM already computed (no hashing of ours)",
+        removable_when="never: it is vLLM's own per-request hash chain",
+        checks=(
+            "vllm.v1.request:Request#block_hashes",
+            "vllm.v1.request:Request.update_block_hashes",
+        ),
+    ),
+    Patch(
         symbol="vllm.v1.engine.core.EngineCore.post_step",
         how="wrapped once: the original runs, then the engine gate ticks if its timer is due "
         "(one dict lookup and one attribute read per step otherwise)",
