@@ -140,13 +140,16 @@ def session_gate_renew(self: EngineCore, client_id: Any) -> dict[str, Any]:
     return _checked(_driver(self).renew, client_id)
 
 
-def session_gate_stats(self: EngineCore, fmt: Any = "json") -> Any:
-    """The gate's counters as a dict (``fmt="json"``) or Prometheus text (``"prometheus"``)."""
-    if fmt == "json":
-        return _driver(self).stats()
-    if fmt == "prometheus":
-        return _driver(self).prometheus()
-    raise ValueError(f'{BAD_GATE_INPUT}: fmt must be "json" or "prometheus", got {fmt!r}')
+def session_gate_stats(self: EngineCore, fmt: Any = "json", build: Any = True) -> Any:
+    """The gate's counters as a dict (``fmt="json"``) or Prometheus text (``"prometheus"``).
+    ``build=False`` answers None while this engine has no gate yet instead of building one (a
+    reader that must not start a gate: ``metrics_mirror``)."""
+    if fmt not in ("json", "prometheus"):
+        raise ValueError(f'{BAD_GATE_INPUT}: fmt must be "json" or "prometheus", got {fmt!r}')
+    driver = _driver(self) if build else self.__dict__.get(DRIVER_ATTR)
+    if driver is None:
+        return None
+    return driver.stats() if fmt == "json" else driver.prometheus()
 
 
 UTILITY_METHODS = {
