@@ -8,16 +8,20 @@ Pressure is made deterministic with a *blocker*: a lease taken through the gate'
 room under the line (0.85 x 127 usable blocks = 107.95). A turn of 300 prompt and 600 output
 tokens (29 blocks) is then held in vLLM's waiting queue until the blocker is released or
 ``max_wait`` (8 s here) passes. Idle grace is 0: a finished turn leaves no reservation behind.
+The same counters show on vLLM's own ``/metrics`` (``metrics_mirror``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import httpx
 import pytest
-from conftest import metric, served_vllm, word_ids
+from conftest import ROOT, get_text, metric, served_vllm, word_ids
+from session_gate.engine.metrics_mirror import INTERVAL_SEC
 
 NUM_BLOCKS = 128  # 127 usable
 BLOCK = 32
@@ -270,3 +274,36 @@ def test_bad_session_ids_pass_ungated_and_never_break_the_engine(url):
     assert after["scheduler"]["errors"] == 0, after
     # The engine core still serves.
     assert asyncio.run(complete(url, 750, extra_headers={"X-Session-ID": "ok"})).choices
+
+
+def test_the_scheduler_metrics_show_on_vllms_own_metrics(url):
+    """``metrics_mirror``: the scheduler's and the engine gate's metrics on ``/metrics``, as the
+    engine counts them (one API server: counters stay counters), and every scheduler metric the
+    dashboard queries among them."""
+    asyncio.run(complete(url, 800, extra_headers={"X-Session-ID": "metrics-1"}))
+    s = settled(url)
+    expected = {
+        "session_gate_scheduler_gated_total": s["scheduler"]["gated"],
+        "session_gate_scheduler_admitted_total": s["scheduler"]["admitted"],
+        "session_gate_scheduler_aborted_while_held_total": s["scheduler"]["aborted_while_held"],
+        "session_gate_scheduler_leases": 0,
+        "session_gate_leases_active": 0,
+    }
+    deadline = time.monotonic() + 10 * INTERVAL_SEC + 20
+    while True:
+        text = get_text(f"{url}/metrics")
+        seen = {name: metric(text, name) for name in expected}
+        if seen == expected:
+            break
+        assert time.monotonic() < deadline, f"/metrics shows {seen}, the engine {expected}"
+        time.sleep(0.2)
+    assert "# TYPE session_gate_scheduler_gated_total counter" in text
+    assert "# TYPE session_gate_wait_seconds histogram" in text
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    dashboard = json.loads((ROOT / "dashboards" / "session-gate.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    queried = {n for e in exprs for n in re.findall(r"\bsession_gate_scheduler_[a-z_]+", e)}
+    assert len(queried) >= 7, queried
+    # The inference's counts exist only with SESSION_GATE_SCHEDULER=infer (checked there).
+    queried.discard("session_gate_scheduler_inferred_total")
+    assert not queried - exported, f"the dashboard queries {sorted(queried - exported)}"

@@ -10,6 +10,7 @@ block, so each answer leaves an own block) and add 20 tokens of tool result befo
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 from conftest import environ
@@ -105,7 +106,11 @@ def test_identical_greedy_histories_are_ambiguous_but_stay_separate_sessions(llm
     assert after["new"] - before["new"] == 3
 
 
-def test_prometheus_text_carries_the_inference_counts(llm):
+def test_prometheus_text_carries_the_inference_counts_the_dashboard_plots(llm):
     text = utility(llm, "prometheus")
     for kind in ("continued", "ambiguous", "new"):
         assert f'session_gate_scheduler_inferred_total{{kind="{kind}"}}' in text
+    dashboard = (
+        Path(__file__).resolve().parents[2] / "dashboards" / "session-gate.json"
+    ).read_text()
+    assert "session_gate_scheduler_inferred_total" in dashboard

@@ -415,6 +415,8 @@ async def test_every_metric_the_dashboard_queries_is_exported(stack):
         | _exported_names(get_text(f"{stack['proxy']}/metrics"))
         | _exported_names(strict_metrics)
     )
-    missing = sorted(queried - exported)
+    # The scheduler-mode panels' metrics need a server in scheduler mode: they are checked
+    # against its /metrics in test_engine_gate_scheduler.
+    missing = sorted(q for q in queried - exported if not q.startswith("session_gate_scheduler_"))
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
     assert metric(strict_metrics, "session_gate_proxy_session_preempted", session="retried") == 1

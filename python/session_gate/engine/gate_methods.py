@@ -140,20 +140,23 @@ def session_gate_renew(self: EngineCore, client_id: Any) -> dict[str, Any]:
     return _checked(_driver(self).renew, client_id)
 
 
-def session_gate_stats(self: EngineCore, fmt: Any = "json") -> Any:
+def session_gate_stats(self: EngineCore, fmt: Any = "json", build: Any = True) -> Any:
     """The gate's counters as a dict (``fmt="json"``) or Prometheus text (``"prometheus"``);
     ``"inferred"``: the scheduler mode's recent inferences (``infer``), a list of
-    ``[request_id, session, kind]``, oldest first (empty in other modes)."""
-    if fmt == "json":
-        return _driver(self).stats()
-    if fmt == "prometheus":
-        return _driver(self).prometheus()
+    ``[request_id, session, kind]``, oldest first (empty in other modes). ``build=False``
+    answers None while this engine has no gate yet instead of building one (a reader that must
+    not start a gate: ``metrics_mirror``)."""
+    if fmt not in ("json", "prometheus", "inferred"):
+        raise ValueError(
+            f'{BAD_GATE_INPUT}: fmt must be "json", "prometheus" or "inferred", got {fmt!r}'
+        )
+    driver = _driver(self) if build else self.__dict__.get(DRIVER_ATTR)
+    if driver is None:
+        return None
     if fmt == "inferred":
-        gate = getattr(_driver(self), "scheduler_gate", None)
+        gate = driver.scheduler_gate
         return [list(row) for row in gate.recent_inferred] if gate is not None else []
-    raise ValueError(
-        f'{BAD_GATE_INPUT}: fmt must be "json", "prometheus" or "inferred", got {fmt!r}'
-    )
+    return driver.stats() if fmt == "json" else driver.prometheus()
 
 
 UTILITY_METHODS = {

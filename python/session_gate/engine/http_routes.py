@@ -30,6 +30,9 @@ name turns on both halves). Routes, all POST, all answering JSON:
 Errors are ``{"error": {"message", "type", "code"}}`` (vLLM's shape): 400 for bad input, 503 when
 the engine-side plugin is missing (or the server has no engine), 500 for anything else.
 
+The engine gate's metrics also show on vLLM's own ``/metrics`` (``metrics_mirror``, started in
+``init_state``).
+
 A server started with ``--api-key`` (or ``VLLM_API_KEY``) guards every ``/session_gate`` route
 with it exactly as vLLM guards ``/v1`` (``auth``): 401 ``{"error": "Unauthorized"}`` without
 ``Authorization: Bearer <key>``.
@@ -306,7 +309,15 @@ class SessionGateEndpoints:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         auth.set_keys(state, auth.server_api_keys(args))
-        setattr(state, _STATE_ATTR, _Routes(engine_client, state))
+        routes = _Routes(engine_client, state)
+        setattr(state, _STATE_ATTR, routes)
+        if engine_client is not None and hasattr(engine_client, "engine_core"):
+            try:  # the engine gate's metrics on vLLM's /metrics
+                from session_gate.engine import metrics_mirror
+
+                metrics_mirror.start(routes)
+            except Exception as exc:  # the routes serve without it
+                logger.warning("session_gate: engine gate metrics not on /metrics: %r", exc)
 
 
 def plugin() -> SessionGateEndpoints:

@@ -250,4 +250,17 @@ LEDGER: tuple[Patch, ...] = (
             "vllm.v1.engine:EngineCoreRequestType.WAKEUP",
         ),
     ),
+    Patch(
+        symbol="the registry vllm serve's /metrics serves (get_prometheus_registry)",
+        how="nothing is patched: the metrics mirror (metrics_mirror) registers a collector on "
+        "prometheus_client's default REGISTRY, or with PROMETHEUS_MULTIPROC_DIR set writes "
+        "mostrecent gauges there: what that function makes /metrics serve",
+        why="the engine gate's numbers live in the engine core process; the frontend's stat "
+        "loggers (vllm.stat_logger_plugins included) only receive vLLM's own SchedulerStats",
+        removable_when="vLLM lets engine-core plugins publish metrics to the frontend",
+        checks=(
+            "vllm.v1.metrics.prometheus:get_prometheus_registry",
+            "vllm.entrypoints.serve.instrumentator.metrics:attach_router",
+        ),
+    ),
 )

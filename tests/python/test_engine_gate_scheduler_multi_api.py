@@ -1,0 +1,150 @@
+"""Scheduler mode behind ``vllm serve --api-server-count 2``: two API-server processes in front of
+one engine core, the plugin, ``SESSION_GATE_SCHEDULER=session-id`` and nothing else (no
+middleware, no proxy, no lease in the client). Requests sent with the official ``openai`` client
+carrying a session id (the ``X-Session-ID`` header or the body field ``session_id``) are gated
+in vLLM's scheduler whichever process they entered by, and the scheduler's counters show on
+vLLM's own ``/metrics`` (``metrics_mirror``) with the engine's values, not one copy per process.
+
+The server is started through the CLI's ``serve`` command as in ``test_engine_gate_multi_api``
+(see there why: ``python -m session_gate.lab.engine.vllm_serve``). Each request uses a client of
+its own, so a connection of its own: the kernel spreads them over the two processes
+(``SO_REUSEPORT``). Sizes as in ``test_engine_gate_scheduler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SERVE_TIMEOUT, get_text, keep_log, metric, word_ids
+from session_gate.engine.metrics_mirror import INTERVAL_SEC
+from session_gate.lab.engine.serve import _start, free_port, stop
+from session_gate.lab.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
+
+NUM_BLOCKS = 128
+BLOCK = 32
+MAX_MODEL_LEN = 4064
+#: Turns sent: half name their session in the header, half in the body.
+TURNS = 8
+
+
+@pytest.fixture(scope="module")
+def url():
+    workdir = Path(tempfile.mkdtemp(prefix="session-gate-scheduler-multi-api-"))
+    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
+    port = free_port()
+    args = [
+        sys.executable, "-m", "session_gate.lab.engine.vllm_serve", "--model", model,
+        "--served-model-name", "tiny",
+        "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+        "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
+        "--gpu-memory-utilization", "0.1", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
+        "--host", "127.0.0.1", "--port", str(port), "--api-server-count", "2",
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        SESSION_GATE_SCHEDULER="session-id",
+        VLLM_PLUGINS="session_gate",
+        HF_HUB_OFFLINE="1",
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        proc = _start(args, workdir / "vllm.log", f"{base}/health", SERVE_TIMEOUT, env=env)
+        try:
+            yield base
+        finally:
+            stop(proc)
+    finally:
+        keep_log(workdir / "vllm.log", "scheduler-multi-api")
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def gate_stats(url: str) -> dict:
+    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def settled(url: str) -> dict:
+    """The gate's stats once no scheduler lease nor hold is left (turns end asynchronously)."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = gate_stats(url)
+        if s["scheduler"]["leases"] == 0 and s["scheduler"]["holding"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"scheduler leases or holds never ended: {s}"
+        time.sleep(0.1)
+
+
+async def turn(url: str, i: int) -> None:
+    """One completion of session ``multi-{i}`` on a client (and connection) of its own."""
+    from openai import AsyncOpenAI
+
+    session = f"multi-{i}"
+    where = (
+        {"extra_headers": {"X-Session-ID": session}}
+        if i % 2
+        else {"extra_body": {"session_id": session}}
+    )
+    async with AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120
+    ) as client:
+        out = await client.completions.create(
+            model="tiny", prompt=word_ids(100 * (i + 1), 40), max_tokens=4, **where
+        )
+    assert out.choices and out.choices[0].text is not None
+
+
+def mirrored(url: str, expected: dict[str, float]) -> str:
+    """vLLM's ``/metrics`` once every ``expected`` sample shows its value (the mirror lags by up
+    to ``INTERVAL_SEC``)."""
+    deadline = time.monotonic() + 10 * INTERVAL_SEC + 20
+    while True:
+        text = get_text(f"{url}/metrics")
+        seen = {name: metric(text, name) for name in expected}
+        if seen == expected:
+            return text
+        assert time.monotonic() < deadline, f"/metrics shows {seen}, the engine {expected}"
+        time.sleep(0.2)
+
+
+def test_turns_through_both_processes_are_gated_and_counted_once_on_metrics(url):
+    before = settled(url)["scheduler"]
+
+    async def turns() -> None:
+        await asyncio.gather(*(turn(url, i) for i in range(TURNS)))
+
+    asyncio.run(turns())
+    after = settled(url)
+    sched = after["scheduler"]
+    assert sched["gated"] == before["gated"] + TURNS, sched
+    assert sched["admitted"] == before["admitted"] + TURNS, sched
+    assert sched["leases"] == 0 and sched["holding"] == 0, sched
+    assert after["engine_gate"]["leases_held"] == 0, after
+
+    expected = {
+        "session_gate_scheduler_gated_total": float(sched["gated"]),
+        "session_gate_scheduler_admitted_total": float(sched["admitted"]),
+        "session_gate_scheduler_held_total": float(sched["held"]),
+        "session_gate_scheduler_leases": 0.0,
+        "session_gate_scheduler_holding": 0.0,
+        "session_gate_leases_active": 0.0,
+    }
+    mirrored(url, expected)
+    # Both processes keep mirroring the one engine: a value written by each must still read
+    # as the engine's, not their sum, after every process has written it again.
+    time.sleep(3 * INTERVAL_SEC)
+    text = mirrored(url, expected)
+    for reason, n in sched["admitted_by_reason"].items():
+        assert metric(text, "session_gate_scheduler_admitted_total", reason=reason) == n
+    # vLLM's own numbers are on the same page, and nothing is left running.
+    assert metric(text, "vllm:num_requests_running") == 0
