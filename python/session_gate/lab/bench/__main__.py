@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from session_gate import report, run_flags
+from session_gate.lab.bench import infer_audit
 from session_gate.lab.bench.runner import run_mode
 from session_gate.modes import DEFAULT_MODES
 from session_gate.workloads import WORKLOADS, Workload
@@ -54,30 +57,45 @@ def _engine_for(workload: Workload) -> Any:
 
 async def run(args: argparse.Namespace, results: list[Any] | None = None) -> dict[str, Any]:
     """Every workload of ``args.workloads`` in every mode of ``args.mode_list``; each mode's
-    ``ModeResult`` is appended to ``results``."""
+    ``ModeResult`` is appended to ``results``. The scheduler modes run on an engine of their
+    own, started with their ``SESSION_GATE_SCHEDULER`` setting (:data:`SCHEDULER_SETTINGS`);
+    the others share one."""
     from tqdm import tqdm
 
     from session_gate import EngineProbe
 
     workloads = args.workloads
     by_workload: dict[str, list[dict[str, Any]]] = {}
-    llm, shape = None, None
+    #: setting (None: off) -> (engine, its shape)
+    engines: dict[str | None, tuple[Any, Any]] = {}
+
+    def engine(setting: str | None, workload: Workload) -> Any:
+        llm, shape = engines.get(setting, (None, None))
+        if llm is None or shape != workload.engine or _too_short(llm, workload):
+            if llm is not None:
+                llm.shutdown()
+            started = time.perf_counter()
+            with _scheduler_env(setting):
+                llm = _engine_for(workload)
+            engines[setting] = (llm, workload.engine)
+            what = f"SESSION_GATE_SCHEDULER={setting} " if setting else ""
+            print(f"{what}engine up in {time.perf_counter() - started:.0f} s", flush=True)
+        return llm
+
     try:
         for workload in workloads:
             print(workload.describe(), flush=True)
-            if llm is None or shape != workload.engine or _too_short(llm, workload):
-                if llm is not None:
-                    llm.shutdown()
-                started = time.perf_counter()
-                llm, shape = _engine_for(workload), workload.engine
-                print(f"engine up in {time.perf_counter() - started:.0f} s", flush=True)
-            probe = EngineProbe(llm)
             total = sum(len(s.turns) for s in workload.sessions) * len(args.mode_list)
             summaries = []
             with tqdm(total=total, desc=workload.name, unit="turn") as bar:
                 for mode in args.mode_list:
+                    setting = SCHEDULER_SETTINGS.get(mode.kind)
+                    llm = engine(setting, workload)
                     bar.set_postfix_str(mode.name)
-                    result = await run_mode(llm, workload, mode, probe, bar)
+                    before = await _scheduler_stats(llm) if setting else None
+                    result = await run_mode(llm, workload, mode, EngineProbe(llm), bar)
+                    if setting:
+                        result.gate_stats = await _scheduler_delta(llm, mode.name, before)
                     summaries.append(result.summary())
                     if results is not None:
                         results.append(result)
@@ -85,9 +103,53 @@ async def run(args: argparse.Namespace, results: list[Any] | None = None) -> dic
             print("\n" + report.table(summaries))
             print("\n" + report.turn_latency_table(summaries) + "\n", flush=True)
     finally:
-        if llm is not None:
+        for llm, _ in engines.values():
             llm.shutdown()
     return by_workload
+
+
+#: The engine setting each scheduler mode needs.
+SCHEDULER_SETTINGS = {"sched": "session-id", "sched-infer": "infer"}
+
+
+@contextlib.contextmanager
+def _scheduler_env(setting: str | None) -> Iterator[None]:
+    """``SESSION_GATE_SCHEDULER`` while an engine starts (its engine core process reads it)."""
+    key = "SESSION_GATE_SCHEDULER"
+    old = os.environ.get(key)
+    os.environ[key] = setting or "off"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+async def _scheduler_stats(llm: Any) -> dict[str, Any]:
+    stats = await llm.engine_core.call_utility_async("session_gate_stats", "json")
+    return stats.get("scheduler") or {}
+
+
+async def _scheduler_delta(llm: Any, mode: str, before: dict[str, Any]) -> dict[str, Any]:
+    """What the scheduler's gate did during one run of ``mode`` (and with ``infer``, the
+    inference audited against the truth); refuses a run it did not gate (an engine whose
+    scheduler mode did not come up would otherwise be measured as if it had)."""
+    after = await _scheduler_stats(llm)
+    counts = ("gated", "held", "admitted", "max_wait", "ungated")
+    delta: dict[str, Any] = {k: after.get(k, 0) - before.get(k, 0) for k in counts}
+    if delta["gated"] <= 0:
+        raise RuntimeError(f"mode {mode}: the engine's scheduler gated nothing ({after})")
+    out: dict[str, Any] = {"scheduler": delta}
+    if "inferred" in after:
+        was = before.get("inferred", {})
+        delta["inferred"] = {
+            k: v - was.get(k, 0) for k, v in after["inferred"].items() if k != "idle"
+        }
+        rows = await llm.engine_core.call_utility_async("session_gate_stats", "inferred")
+        out["infer_audit"] = infer_audit.audit(rows, infer_audit.runner_ids(mode))
+    return out
 
 
 def _too_short(llm: Any, workload: Workload) -> bool:

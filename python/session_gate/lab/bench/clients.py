@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from session_gate import report
+from session_gate.lab.bench import infer_audit
 from session_gate.lab.bench.admission import Admission
 from session_gate.lab.bench.runner import run_mode
 from session_gate.modes import Mode
@@ -67,7 +68,7 @@ class _HttpEngine:
     ``session_header`` each request carries ``x-session-id`` (the turn's session, tagged with
     ``run`` so sessions of an earlier mode on the same server are not continued); with
     ``request_ids``, vLLM's ``X-Request-Id`` naming the run, session and turn (for the audit of
-    the session inference, :func:`infer_audit`)."""
+    the session inference, ``infer_audit``)."""
 
     def __init__(
         self, url: str, session_header: bool = False, run: str = "", request_ids: bool = False
@@ -201,47 +202,10 @@ def run_clients(url: str, workload: str, seed: int, mode: str, k: int) -> ModeRe
         rows = httpx.get(
             f"{url}/session_gate/v1/stats", params={"format": "inferred"}, timeout=60
         ).json()
-        stats["infer_audit"] = infer_audit(rows, run)
+        stats["infer_audit"] = infer_audit.audit(rows, infer_audit.header_ids(run))
     return ModeResult(
         mode if k == 1 or mode == "gate@1" else f"{mode}×{k}", workload, makespan, records, stats
     )
-
-
-def infer_audit(rows: list[list[str]], run: str) -> dict[str, Any]:
-    """How the engine's inferences (``[request_id, session, kind]``, as
-    ``/session_gate/v1/stats?format=inferred`` lists them) match the truth of ``run``: a first
-    turn is right when it starts a session no other true session had, a later turn when it
-    continues its own session's previous inferred session. Engine request ids are
-    ``cmpl-<X-Request-Id>-<prompt index>-<suffix>``."""
-    by_session: dict[str, dict[int, tuple[str, str]]] = {}
-    for rid, inferred, kind in rows:
-        if not rid.startswith(f"cmpl-{run}|"):
-            continue
-        _run, session, turn = rid.removeprefix("cmpl-").rsplit("-", 2)[0].split("|")
-        by_session.setdefault(session, {})[int(turn)] = (inferred, kind)
-    owners: dict[str, set[str]] = {}
-    for session, turns in by_session.items():
-        for inferred, _ in turns.values():
-            owners.setdefault(inferred, set()).add(session)
-    confusion = {"first_new": 0, "first_merged": 0, "continued_own": 0, "new_instead": 0}
-    confusion["continued_other"] = 0
-    for session, turns in by_session.items():
-        for t, (inferred, kind) in sorted(turns.items()):
-            if t == 0 or t - 1 not in turns:
-                right = kind == "new" and owners[inferred] == {session}
-                confusion["first_new" if right else "first_merged"] += 1
-            elif inferred == turns[t - 1][0]:
-                confusion["continued_own"] += 1
-            else:
-                confusion["new_instead" if kind == "new" else "continued_other"] += 1
-    total = sum(confusion.values())
-    right = confusion["first_new"] + confusion["continued_own"]
-    return {
-        "turns": total,
-        "in_true_session": right / total if total else 0.0,
-        "merged_sessions": sum(1 for s in owners.values() if len(s) > 1),
-        **confusion,
-    }
 
 
 async def _middleware_overhead(url: str, n: int) -> dict[str, float]:

@@ -14,6 +14,8 @@ from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import SessionSpec, Workload
 
 VOCAB = 4096
+#: Modes whose gate is in vLLM's scheduler (their engine runs with SESSION_GATE_SCHEDULER).
+SCHED_KINDS = ("sched", "sched-infer")
 
 
 async def run_mode(
@@ -35,9 +37,14 @@ async def run_mode(
     indices this process drives, ``admission`` replaces the mode's own (the caller reset the
     cache and closes it), ``generate`` sends a turn (``agenerate``'s signature)."""
     own = admission is None
+    # The scheduler modes: no admission in the client, the engine's scheduler gates (its engine
+    # was started with SESSION_GATE_SCHEDULER); `sched` names each turn's session to vLLM.
+    in_scheduler = mode.kind in SCHED_KINDS
     if admission is None:
         await llm.reset_prefix_cache()
-        admission = Admission(mode, probe, llm, workload, knobs)
+        admission = Admission(
+            Mode(mode.name, "none") if in_scheduler else mode, probe, llm, workload, knobs
+        )
     block = workload.engine.block_size
     rng = random.Random(workload.seed)
     system = [
@@ -45,6 +52,8 @@ async def run_mode(
     ]
     records: list[TurnRecord] = []
     system_seen = [False]
+    #: Tags this run's session ids, so an engine that ran the mode before holds none of them.
+    run = f"{mode.name}-{time.monotonic_ns()}"
     lost = {"turns": 0, "tokens": 0, "cancellations": 0}
 
     async def run_session(index: int, spec: SessionSpec) -> None:
@@ -83,9 +92,13 @@ async def run_mode(
                 system_seen[0] = True
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
-                    output, cached = await generate(
-                        llm, history, turn.output, f"{mode.name}-{spec.session_id}-{t}.{attempt}"
-                    )
+                    rid = f"{mode.name}-{spec.session_id}-{t}.{attempt}"
+                    if mode.kind == "sched":
+                        output, cached = await generate(
+                            llm, history, turn.output, rid, session_id=f"{spec.session_id}@{run}"
+                        )
+                    else:
+                        output, cached = await generate(llm, history, turn.output, rid)
                 kept.append(
                     TurnRecord(
                         spec.session_id,

@@ -107,15 +107,21 @@ def generate(llm: Any, token_ids: list[int], max_tokens: int = 1) -> tuple[list[
 
 
 async def agenerate(
-    async_llm: Any, token_ids: list[int], max_tokens: int, request_id: str
+    async_llm: Any,
+    token_ids: list[int],
+    max_tokens: int,
+    request_id: str,
+    session_id: str | None = None,
 ) -> tuple[list[int], int]:
-    """One greedy request through an ``AsyncLLM``; returns (output ids, ``num_cached_tokens``)."""
+    """One greedy request through an ``AsyncLLM`` (with vLLM's own ``session_id`` when given);
+    returns (output ids, ``num_cached_tokens``)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    kwargs = {"session_id": session_id} if session_id is not None else {}
     final = None
     async for output in async_llm.generate(
-        {"prompt_token_ids": token_ids}, params, request_id=request_id
+        {"prompt_token_ids": token_ids}, params, request_id=request_id, **kwargs
     ):
         final = output  # with the default output kind, the last output is the finished one
     assert final is not None, "vLLM returned no output"
