@@ -161,6 +161,8 @@ class SchedulerGate:
         #: ``session_gate_stats("inferred")`` answers (to audit the rule on a known workload).
         self.recent_inferred: deque[tuple[str, str, str]] = deque(maxlen=RECENT_INFERRED)
         self._decided: dict[str, int | None] = {}
+        #: Leases among ``_decided`` (read on every tick: no scan).
+        self._leases = 0
         self._held: dict[str, _Held] = {}
         self._held_sessions: dict[str, str] = {}
         #: Held requests with no admit yet (behind another request of their session).
@@ -255,6 +257,7 @@ class SchedulerGate:
         if status == "admitted":
             reason = str(answer.get("reason"))
             self._decided[rid] = int(answer["lease"])
+            self._leases += 1
             self.counters["admitted"] += 1
             self.admitted_by_reason[reason] += 1
             if reason == "max_wait":
@@ -276,6 +279,7 @@ class SchedulerGate:
         if rid in self._decided:
             lease = self._decided.pop(rid)
             if lease is not None:
+                self._leases -= 1
                 self._driver.release_bound(lease)
             return
         if rid in self._queued:
@@ -297,7 +301,7 @@ class SchedulerGate:
     def keep_alive(self, now: float) -> None:
         """Renews the scheduler's client while it holds leases or attempts: the requests are
         alive as long as vLLM has them, whatever the lease TTL."""
-        if self._held or any(lease is not None for lease in self._decided.values()):
+        if self._held or self._leases:
             self._book.renew(SCHEDULER_CLIENT, now)
 
     # -- counters ---------------------------------------------------------------------------
@@ -325,7 +329,7 @@ class SchedulerGate:
         if self._inference is not None:
             out["inferred"] = self._inference.stats()
         out["holding"] = len(self._held) + len(self._queued)
-        out["leases"] = sum(1 for lease in self._decided.values() if lease is not None)
+        out["leases"] = self._leases
         out["admitted_by_reason"] = dict(self.admitted_by_reason)
         return out
 
