@@ -10,7 +10,12 @@ queue is looked at step after step) runs with the setting off and on, in alterna
 (off-on, on-off, off-on, ...: drift hits both arms alike). Each round starts from an empty
 prefix cache, so both arms do the same work step for step; its wall time (submission and every
 ``step()``) gives steps/s and generated tokens/s. The figure is the median over round pairs of
-``on / off`` (steps/s), with the pairs' min and max as its spread; ``cost = 1 - ratio``.
+``on / off`` (steps/s), with the pairs' min and max as its spread; ``cost = 1 - ratio``. As the
+rounds run the same steps, a second figure takes the other load of a shared machine out: step
+``i``'s time is the median of step ``i`` over an arm's rounds, an arm's round time the sum of
+those (``cost_per_step_medians``); the same estimator between the off rounds of even and odd
+pairs (``aa_cost_per_step_medians``: the same code on both sides) shows what it reads where
+there is no difference, i.e. the noise floor of this run.
 
 How the two settings share one process. ``gate_scheduler.install()`` reads the setting once per
 process, so the engine starts with it on (the plugin wraps ``Scheduler.
@@ -23,15 +28,17 @@ post-step tick finds no driver, as in an engine started off with no lease-door t
 round puts them back. One engine, one model worker and one KV cache serve both arms: the
 difference between them is the code the setting changes and nothing else. (Two engine processes
 started with each setting would also differ in what the setting does not touch: memory layout,
-the core each worker runs on, their start-up; and on this 2-core machine an idle engine's
-worker still spins.) The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+the core each worker runs on, their start-up, and each would load the machine while the other
+is timed.) The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 its model in a worker process (as ``vllm serve`` runs it on CPU), async scheduling off: one
 ``step()`` is one scheduler step.
 
 Beside the measured ratio, a floor that noise cannot blur: each added piece timed alone in a
 tight loop on the live engine's objects (the look wrapper on a request without an id, the
 added part of a free, the add wrapper, the post-step driver check), times how often a round
-calls it (counted in a separate round), over an off round's time: ``predicted_cost``.
+calls it (counted in a separate round), over an off round's time: ``predicted_cost``. Each
+piece is the best of five loops, wrapped minus bare, clamped at 0 (a piece below what a tight
+loop resolves on a loaded machine reads 0).
 
 (b) **Gated requests: engine-loop time per gated request, excluding the prefix walk (target
 <= 20 us).** Multi-turn sessions (``--sessions`` x ``--turns``; each turn the whole history,
@@ -47,17 +54,27 @@ takes its answer, a look behind a held request of the same session, a preempted 
 re-look) under ``ready``; a free under ``release``. The book times its own parts
 (``EngineGateBook.time_parts``, ``last_parts()``) and reports the prefix walk's ns
 (``prefix``); it is subtracted from the look or free it ran in. Per gated request:
-``admit_us`` (total minus walk), ``ready_us`` (all its polls), ``release_us``; their sum against
-20 us is ``ratio_to_target``. The driver's ticks (timer deadlines: a held waiter's next poll,
-``max_wait``, lease renewals) run in the engine loop too, outside the scheduler hook: reported
-beside (``tick_us_per_gated_request``), not in the sum. The timers add their own clock reads
-to what they time (``timer_ns``, per timed call, is printed) and ``time_parts`` adds the native
-part timers: the figures are an upper bound.
+``admit_us`` (total minus walk), ``ready_us`` (all its polls), ``release_us``: every timed ns
+divided by the gated requests, their sum against 20 us is ``ratio_to_target``. On a shared
+machine a call during which the process lost its core counts that time too (the p99s show it):
+``typical_us_per_gated_request`` is the same sum from per-call medians times calls per request.
+A held request is looked at on every step while it is held (the engine keeps stepping), so
+``ready_us`` grows with the hold's length in steps: ``ready_looks_per_gated_request`` says how
+many. For the admits answered at once the native call's parts are printed too (p50: ``args``,
+the argument checks and the prompt read; ``usage``; ``book``; ``answer``, the answer dict) and
+``python_rest``, the look's time outside the native call. The driver's ticks (timer
+deadlines: a held waiter's next poll, ``max_wait``, lease renewals) run in the engine loop too,
+outside the scheduler hook: reported beside (``tick_us_per_gated_request``, prefix walks
+included), not in the sum. The timers add their own clock reads to what they time
+(``timer_ns``, per timed call, is printed) and ``time_parts`` adds the native part timers: the
+figures are an upper bound.
 
-Reading it. The lines print (a) then (b); the last line is JSON. ``a.cost_median`` over
-``a.target_cost`` is (a)'s ratio to its target (below 1 is met); ``a.predicted_cost`` says what
-the added code alone would cost, so a measured cost far above it is noise (see the pairs'
-spread), not the hook. ``b.total_us_per_gated_request`` over ``b.target_us`` is (b)'s ratio.
+Reading it. The lines print (a) then (b); the last line is JSON (with the machine's load
+average). ``a.cost_median`` over ``a.target_cost`` is (a)'s ratio to its target (below 1 is
+met), and ``a.cost_per_step_medians_over_target`` the same from per-step medians; read them
+beside the pairs' spread and ``a.aa_cost_per_step_medians``: a cost within the
+noise floor is not resolved by the run, and ``a.predicted_cost`` says what the added code alone
+costs. ``b.total_us_per_gated_request`` over ``b.target_us`` is (b)'s ratio (below 1 is met).
 """
 
 from __future__ import annotations
@@ -371,6 +388,9 @@ def measure_plain(
         "aa_cost_per_step_medians": None if aa_ratio is None else 1.0 - aa_ratio,
         "target_cost": TARGET_COST,
         "cost_over_target": (1.0 - ratio) / TARGET_COST,
+        "cost_per_step_medians_over_target": None
+        if robust_ratio is None
+        else (1.0 - robust_ratio) / TARGET_COST,
         "calls_per_round": counts,
         "floor_ns": floor,
         "predicted_cost": added_ns / 1e9 / off_seconds,
@@ -678,7 +698,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         "    per-step medians: cost "
-        + ("n/a" if robust is None else f"{robust * 100:+.2f} %")
+        + ("n/a" if robust is None else f"{robust * 100:+.2f} % ({robust / TARGET_COST:.2f}x)")
         + ", off against off (no difference) "
         + ("n/a" if aa is None else f"{aa * 100:+.2f} %")
         + f"; predicted from the added code alone {a['predicted_cost'] * 100:.4f} % "
