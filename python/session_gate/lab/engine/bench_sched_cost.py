@@ -15,7 +15,11 @@ rounds run the same steps, a second figure takes the other load of a shared mach
 ``i``'s time is the median of step ``i`` over an arm's rounds, an arm's round time the sum of
 those (``cost_per_step_medians``); the same estimator between the off rounds of even and odd
 pairs (``aa_cost_per_step_medians``: the same code on both sides) shows what it reads where
-there is no difference, i.e. the noise floor of this run.
+there is no difference, i.e. the noise floor of this run. A third reads the engine thread's CPU
+time per round (``time.thread_time``: not the time it lost its core to other processes; it
+includes the thread's wait for the model worker, a polling loop in vLLM): ``cost_engine_cpu`` is
+the on arm's added median CPU time over an off round's wall time, ``aa_cost_engine_cpu`` the
+same between the off rounds of even and odd pairs.
 
 How the two settings share one process. ``gate_scheduler.install()`` reads the setting once per
 process, so the engine starts with it on (the plugin wraps ``Scheduler.
@@ -195,6 +199,7 @@ def run_plain(llm: Any, workload: list[tuple[list[int], int]], tag: str) -> dict
     tokens = 0
     step_times: list[float] = []
     clock = time.perf_counter
+    cpu0 = time.thread_time()
     t0 = clock()
     for i, (prompt, max_tokens) in enumerate(workload):
         engine.add_request(
@@ -213,6 +218,7 @@ def run_plain(llm: Any, workload: list[tuple[list[int], int]], tag: str) -> dict
     seconds = clock() - t0
     return {
         "seconds": seconds,
+        "cpu_seconds": time.thread_time() - cpu0,
         "steps": len(step_times),
         "tokens": tokens,
         "add_seconds": added,
@@ -361,6 +367,10 @@ def measure_plain(
     halves = (robust_seconds(arms["off"][0::2]), robust_seconds(arms["off"][1::2]))
     robust_ratio = robust["off"] / robust["on"] if robust["off"] and robust["on"] else None
     aa_ratio = halves[0] / halves[1] if len(arms["off"]) > 1 and all(halves) else None
+    # The engine thread's CPU time (not the time it lost its core): what the on arm adds, over
+    # an off round's wall time; and the same between the off rounds of even and odd pairs.
+    cpu = {state: statistics.median(r["cpu_seconds"] for r in rs) for state, rs in arms.items()}
+    cpu_halves = [statistics.median(r["cpu_seconds"] for r in arms["off"][k::2]) for k in (0, 1)]
     return {
         "rounds": rounds,
         "requests": requests,
@@ -386,6 +396,11 @@ def measure_plain(
         "ratio_per_step_medians": robust_ratio,
         "cost_per_step_medians": None if robust_ratio is None else 1.0 - robust_ratio,
         "aa_cost_per_step_medians": None if aa_ratio is None else 1.0 - aa_ratio,
+        "engine_thread_cpu_sec_median": cpu,
+        "cost_engine_cpu": (cpu["on"] - cpu["off"]) / off_seconds,
+        "aa_cost_engine_cpu": (cpu_halves[1] - cpu_halves[0]) / off_seconds
+        if len(arms["off"]) > 1
+        else None,
         "target_cost": TARGET_COST,
         "cost_over_target": (1.0 - ratio) / TARGET_COST,
         "cost_per_step_medians_over_target": None
@@ -701,6 +716,8 @@ def main(argv: list[str] | None = None) -> None:
         + ("n/a" if robust is None else f"{robust * 100:+.2f} % ({robust / TARGET_COST:.2f}x)")
         + ", off against off (no difference) "
         + ("n/a" if aa is None else f"{aa * 100:+.2f} %")
+        + f"; engine thread CPU: cost {a['cost_engine_cpu'] * 100:+.2f} %, off against off "
+        + ("n/a" if a["aa_cost_engine_cpu"] is None else f"{a['aa_cost_engine_cpu'] * 100:+.2f} %")
         + f"; predicted from the added code alone {a['predicted_cost'] * 100:.4f} % "
         f"(ns per call {a['floor_ns']}, calls per round {a['calls_per_round']})",
         flush=True,
