@@ -6,8 +6,8 @@ targets:
 (a) **No session traffic: the hook's cost in vLLM's step rate (target <= 2 %).** The same plain
 workload (requests without a session id: ``--requests`` prompts of 64-768 tokens, 8-48 output
 tokens each, all submitted at once to an engine of ``--max-num-seqs`` slots, so vLLM's waiting
-queue is looked at step after step) runs with the setting off and on, in alternating rounds
-(off-on, on-off, off-on, ...: drift hits both arms alike). Each round starts from an empty
+queue is looked at step after step) runs with the setting off and on, in pairs of rounds, each
+pair's order drawn at random (seeded): drift hits both arms alike. Each round starts from an empty
 prefix cache, so both arms do the same work step for step; its wall time (submission and every
 ``step()``) gives steps/s and generated tokens/s. The figure is the median over round pairs of
 ``on / off`` (steps/s), with the pairs' min and max as its spread; ``cost = 1 - ratio``. As the
@@ -37,7 +37,12 @@ is timed.) The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 its model in a worker process (as ``vllm serve`` runs it on CPU), async scheduling off: one
 ``step()`` is one scheduler step.
 
-Beside the measured ratio, a floor that noise cannot blur: each added piece timed alone in a
+Beside the measured ratios, what noise cannot blur. In place: one more round per setting with
+a timer on each call site the setting changes (the look at a waiting request, ``add_request``,
+``post_step``, the gate's part of a free), whatever the class holds in that setting: the on
+round's sum over the sites (the wrappers and vLLM's own work inside them) bounds the setting's
+direct time from above (``in_situ``: us per round by site, and ``upper_bound_cost`` over an off
+round's time). And a floor: each added piece timed alone in a
 tight loop on the live engine's objects (the look wrapper on a request without an id, the
 added part of a free, the add wrapper, the post-step driver check), times how often a round
 calls it (counted in a separate round), over an off round's time: ``predicted_cost``. Each
@@ -76,9 +81,10 @@ figures are an upper bound.
 Reading it. The lines print (a) then (b); the last line is JSON (with the machine's load
 average). ``a.cost_median`` over ``a.target_cost`` is (a)'s ratio to its target (below 1 is
 met), and ``a.cost_per_step_medians_over_target`` the same from per-step medians; read them
-beside the pairs' spread and ``a.aa_cost_per_step_medians``: a cost within the
-noise floor is not resolved by the run, and ``a.predicted_cost`` says what the added code alone
-costs. ``b.total_us_per_gated_request`` over ``b.target_us`` is (b)'s ratio (below 1 is met).
+beside the pairs' spread and the off-against-off controls (``a.aa_cost_*``): a cost within the
+noise floor is not resolved by the run, while ``a.in_situ.upper_bound_cost`` and
+``a.predicted_cost`` say what the added code itself costs, at most and at least.
+``b.total_us_per_gated_request`` over ``b.target_us`` is (b)'s ratio (below 1 is met).
 """
 
 from __future__ import annotations
@@ -238,34 +244,65 @@ def robust_seconds(rounds: list[dict[str, Any]]) -> float | None:
     )
 
 
-def _count_calls(llm: Any, workload: list[tuple[list[int], int]]) -> dict[str, int]:
-    """How often one on round calls each added piece (a counting round, not timed)."""
+#: The call sites whose time the setting changes for a request without an id.
+_SITES = ("look", "add", "post_step", "free")
+
+
+def _in_situ(llm: Any, setting: Setting, workload: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """One timed round per setting: how often the round calls each site the setting changes and
+    the ns spent in it (whatever the class holds in that setting: vLLM's function, or the
+    wrapper with vLLM's function inside; the gate's part of a free exists only when on). The
+    on round's sum over the sites bounds the setting's direct time in the engine loop from
+    above: it holds the wrappers and vLLM's own work inside them."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
 
     from session_gate.engine import gate_binding
 
-    counts = {"looks": 0, "frees": 0, "steps": 0, "adds": 0}
-    look = Scheduler._handle_blocked_waiting_request
-    free = gate_binding._free_scheduled
+    out: dict[str, Any] = {}
+    for state in ("off", "on"):
+        setting.set(state)
+        calls = dict.fromkeys(_SITES, 0)
+        ns = dict.fromkeys(_SITES, 0)
+        look = Scheduler._handle_blocked_waiting_request
+        add = EngineCore.add_request
+        post = EngineCore.post_step
+        free = gate_binding._free_scheduled
 
-    def counted_look(self: Any, request: Any) -> bool:
-        counts["looks"] += 1
-        return look(self, request)
+        def timed(
+            site: str, fn: Any, ns: dict[str, int] = ns, calls: dict[str, int] = calls
+        ) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                t = _clock()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    ns[site] += _clock() - t
+                    calls[site] += 1
 
-    def counted_free(gate: Any, request: Any) -> None:
-        counts["frees"] += 1
-        return free(gate, request)
+            return call
 
-    Scheduler._handle_blocked_waiting_request = counted_look
-    gate_binding._free_scheduled = counted_free
-    try:
-        r = run_plain(llm, workload, "count")
-    finally:
-        Scheduler._handle_blocked_waiting_request = look
-        gate_binding._free_scheduled = free
-    counts["steps"] = int(r["steps"])
-    counts["adds"] = len(workload)
-    return counts
+        Scheduler._handle_blocked_waiting_request = timed("look", look)
+        EngineCore.add_request = timed("add", add)
+        EngineCore.post_step = timed("post_step", post)
+        gate_binding._free_scheduled = timed("free", free)
+        try:
+            r = run_plain(llm, workload, f"situ-{state}")
+        finally:
+            Scheduler._handle_blocked_waiting_request = look
+            EngineCore.add_request = add
+            EngineCore.post_step = post
+            gate_binding._free_scheduled = free
+        out[state] = {"calls": calls, "ns": ns, "seconds": r["seconds"], "steps": r["steps"]}
+    setting.on()
+    bound = sum(out["on"]["ns"].values())
+    return {
+        "calls_on": out["on"]["calls"],
+        "us_per_round_off": {k: v / 1e3 for k, v in out["off"]["ns"].items()},
+        "us_per_round_on": {k: v / 1e3 for k, v in out["on"]["ns"].items()},
+        "upper_bound_us_per_round": bound / 1e3,
+        "upper_bound_cost": bound / 1e9 / out["off"]["seconds"],
+    }
 
 
 def _best_ns(fn: Any, args: tuple[Any, ...], n: int, rounds: int = 5) -> float:
@@ -336,12 +373,15 @@ def measure_plain(
         setting.set(state)
         run_plain(llm, workload, f"warm-{state}")
     arms: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
-    for i in range(rounds):
-        for state in ("off", "on") if i % 2 == 0 else ("on", "off"):
+    orders = random.Random(seed).choices((("off", "on"), ("on", "off")), k=rounds)
+    for i, order in enumerate(orders):
+        for state in order:
             setting.set(state)
             arms[state].append(run_plain(llm, workload, f"a{i}-{state}"))
     setting.on()
-    counts = _count_calls(llm, workload)
+    situ = _in_situ(llm, setting, workload)
+    c = situ["calls_on"]
+    counts = {"looks": c["look"], "frees": c["free"], "adds": c["add"], "steps": c["post_step"]}
     floor = floor_ns(llm, floor_calls)
 
     def rate(r: dict[str, Any], key: str) -> float:
@@ -409,6 +449,7 @@ def measure_plain(
         "calls_per_round": counts,
         "floor_ns": floor,
         "predicted_cost": added_ns / 1e9 / off_seconds,
+        "in_situ": situ,
     }
 
 
@@ -718,6 +759,9 @@ def main(argv: list[str] | None = None) -> None:
         + ("n/a" if aa is None else f"{aa * 100:+.2f} %")
         + f"; engine thread CPU: cost {a['cost_engine_cpu'] * 100:+.2f} %, off against off "
         + ("n/a" if a["aa_cost_engine_cpu"] is None else f"{a['aa_cost_engine_cpu'] * 100:+.2f} %")
+        + f"; every call site the setting changes, timed in place (on, vLLM's work inside "
+        f"included): {a['in_situ']['upper_bound_us_per_round']:.0f} us per round, at most "
+        f"{a['in_situ']['upper_bound_cost'] * 100:.3f} %"
         + f"; predicted from the added code alone {a['predicted_cost'] * 100:.4f} % "
         f"(ns per call {a['floor_ns']}, calls per round {a['calls_per_round']})",
         flush=True,
