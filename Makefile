@@ -122,7 +122,7 @@ bench-engine-gate: setup
 
 # The scheduler mode's cost (SESSION_GATE_SCHEDULER=session-id), one in-process CPU engine, each
 # figure against a baseline of the same run (2-3 minutes): (a) a plain workload (no session
-# ids) with the setting off and on in alternating rounds, steps/s of both and their ratio (target:
+# ids) with the setting off and on in interleaved rounds, steps/s of both and their ratio (target:
 # cost <= 2 %); (b) the scheduler hook's engine-loop time per gated request, split into admit
 # (without its prefix walk), ready() looks and release (target <= 20 us). The last line is JSON.
 bench-sched-cost: setup
