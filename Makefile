@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
-	bench-clients bench-engine-gate soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
+	bench-clients bench-engine-gate bench-sched-cost soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
@@ -119,6 +119,14 @@ bench-clients: setup
 # --loop-splits to the command below to also time vLLM's dispatch and the native call's parts.
 bench-engine-gate: setup
 	$(PY) -m session_gate.lab.bench.clients --modes ""
+
+# The scheduler mode's cost (SESSION_GATE_SCHEDULER=session-id), one in-process CPU engine, each
+# figure against a baseline of the same run (2-3 minutes): (a) a plain workload (no session
+# ids) with the setting off and on in interleaved rounds, steps/s of both and their ratio (target:
+# cost <= 2 %); (b) the scheduler hook's engine-loop time per gated request, split into admit
+# (without its prefix walk), ready() looks and release (target <= 20 us). The last line is JSON.
+bench-sched-cost: setup
+	$(PY) -m session_gate.lab.engine.bench_sched_cost
 
 # Reliability under load and faults (a few minutes, loopback only): two CPU vllm serve replicas
 # with the plugin, the proxy in front, a few hundred openai-client sessions; one replica killed
