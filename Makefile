@@ -8,7 +8,7 @@ export SESSION_GATE_VENV := $(VENV)
 # PyO3 (clippy with --features python) must see the same interpreter maturin builds for.
 export PYO3_PYTHON := $(PY)
 
-.PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-probe bench-gate bench-proxy \
+.PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-stream bench-probe bench-gate bench-proxy \
 	bench-clients bench-engine-gate bench-sched-cost soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
 
 setup:
@@ -89,6 +89,12 @@ bench: setup
 # when installed, the replica twin; regret per workload, a table and a plot; last line JSON.
 bench-matrix: setup
 	$(PY) -m session_gate.lab.bench.matrix
+
+# vLLM's own sessions: each session one streaming-input request (its KV kept while it waits for
+# the next chunk, no admission) beside plain per-turn requests, and beside at most 4 such sessions
+# at once, on the default workload; a stalled run says so. The last line is JSON.
+bench-stream: setup
+	$(PY) -m session_gate.lab.bench.stream --workload default --modes none,stream,stream-cap4
 
 # Where a block hash's time goes (bytes hashed per block, serialisation, SHA-256, its compression
 # function: the floor), then the probes on vLLM's real block pools; the last line is JSON.
