@@ -438,7 +438,8 @@ impl PyEngineGateBook {
         self.clock.1 + at.saturating_duration_since(self.clock.0).as_secs_f64()
     }
 
-    /// The admit of [`Self::admit`], its arguments unpacked.
+    /// The admit of [`Self::admit`], its arguments unpacked. `trusted_len`: the prompt's
+    /// length when its tokens are vLLM's own (already validated), so they are not read.
     #[allow(clippy::too_many_arguments)]
     fn admit_inner<'py>(
         &mut self,
@@ -450,6 +451,7 @@ impl PyEngineGateBook {
         retain_session: Option<&Bound<'py, PyAny>>,
         ticket: Option<&Bound<'py, PyAny>>,
         client_id: Option<&Bound<'py, PyAny>>,
+        trusted_len: Option<usize>,
     ) -> PyResult<Py<PyAny>> {
         let session_str = session_id;
         let session_id = id_str("session_id", session_id)?;
@@ -475,9 +477,12 @@ impl PyEngineGateBook {
                 )));
             }
         };
-        let prompt_tokens = read_prompt(token_ids, Some(self.limits))
-            .map_err(|e| PyValueError::new_err(format!("token_ids: {e}")))?
-            .len();
+        let prompt_tokens = match trusted_len {
+            Some(n) => n,
+            None => read_prompt(token_ids, Some(self.limits))
+                .map_err(|e| PyValueError::new_err(format!("token_ids: {e}")))?
+                .len(),
+        };
         let payload = Payload {
             token_ids: token_ids.clone().unbind(),
             future: None,
@@ -637,6 +642,40 @@ impl PyEngineGateBook {
                 a3.as_deref(),
                 a4.as_deref(),
                 a5.as_deref(),
+                None,
+            )
+        })
+        .map_err(|e| bad_input(py, e))
+    }
+
+    /// The scheduler mode's admit (`gate_scheduler`): `token_ids` is vLLM's own
+    /// `request.prompt_token_ids`, which vLLM has validated, so only its length is read (the
+    /// list is kept for a prefix walk, if the core asks for one); reading and checking every
+    /// token, as `admit` does for a utility call's bytes, costs ~5 us per 1K tokens in the
+    /// engine loop. The session is retained; answers as `admit` does.
+    fn admit_trusted(
+        &mut self,
+        py: Python<'_>,
+        session_id: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        max_tokens: &Bound<'_, PyAny>,
+        ticket: &Bound<'_, PyAny>,
+        client_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
+        let started = Instant::now();
+        no_panic("EngineGateBook.admit_trusted", || {
+            let len = token_ids.len()?;
+            let retain = PyBool::new(py, true).to_owned().into_any();
+            self.admit_inner(
+                py,
+                started,
+                session_id,
+                token_ids,
+                max_tokens,
+                Some(&retain),
+                Some(ticket),
+                Some(client_id),
+                Some(len),
             )
         })
         .map_err(|e| bad_input(py, e))

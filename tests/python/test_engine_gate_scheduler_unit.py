@@ -54,7 +54,7 @@ class Book:
         self.cancelled: list[str] = []
         self.renewed = 0
 
-    def admit(self, session_id, tokens, max_tokens, retain, ticket, client_id):
+    def admit_trusted(self, session_id, tokens, max_tokens, ticket, client_id):
         if len(session_id) > 256:
             raise ValueError("invalid engine gate input: session_id is too long")
         self.admits.append((session_id, ticket, client_id, max_tokens))

@@ -130,15 +130,27 @@ def gate_config(native: Any, config: Any) -> Any:
 
 
 class _Held:
-    """A request the gate has not admitted yet: its admit's ``Future``, ticket and start."""
+    """A request the gate has not admitted yet: its admit's ``Future``, ticket and start, and
+    the admit's answer once the book gives it (``answer``, set by the future's callback on the
+    engine thread, where the book resolves it: the scheduler's look is then one attribute read,
+    not ``Future.done()``, which takes a lock, on every step of the hold)."""
 
-    __slots__ = ("future", "session_id", "ticket", "since")
+    __slots__ = ("future", "session_id", "ticket", "since", "answer")
 
     def __init__(self, future: Future, session_id: str, ticket: str, since: float) -> None:
         self.future = future
         self.session_id = session_id
         self.ticket = ticket
         self.since = since
+        self.answer: dict[str, Any] | None = None
+        future.add_done_callback(self._answered)
+
+    def _answered(self, future: Future) -> None:
+        if future.cancelled():
+            self.answer = {"status": "cancelled"}
+            return
+        exc = future.exception()
+        self.answer = {"status": "error", "error": repr(exc)} if exc else future.result()
 
 
 class SchedulerGate:
@@ -182,9 +194,9 @@ class SchedulerGate:
             return True
         held = self._held.get(rid)
         if held is not None:
-            if not held.future.done():
+            if held.answer is None:
                 return False
-            return self._answered(rid, held, held.future.result())
+            return self._answered(rid, held, held.answer)
         return self._first_look(request, rid)
 
     def _first_look(self, request: Any, rid: str) -> bool:
@@ -210,8 +222,8 @@ class SchedulerGate:
         max_tokens = params.max_tokens if params.max_tokens is not None else 0
         ticket = f"sched:{next(self._tickets)}"
         try:
-            answer = self._book.admit(
-                session_id, tokens, max_tokens, True, ticket, SCHEDULER_CLIENT
+            answer = self._book.admit_trusted(
+                session_id, tokens, max_tokens, ticket, SCHEDULER_CLIENT
             )
         except (TypeError, ValueError) as exc:
             # An id (or prompt) the book refuses: scheduled as if it carried no id.
@@ -321,6 +333,7 @@ class SchedulerGate:
                 "ungated_preempted",
                 "ungated_cancelled",
                 "ungated_expired",
+                "ungated_error",
                 "errors",
                 "hold_ms_total",
             )
