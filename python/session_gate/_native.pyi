@@ -315,6 +315,16 @@ class EngineGateBook:
         client_id: object = None,
     ) -> dict[str, object] | object:
         """The answer now (a dict with ``engine_us``), or a ``concurrent.futures.Future``."""
+    def admit_trusted(
+        self,
+        session_id: object,
+        token_ids: Sequence[int],
+        max_tokens: object,
+        ticket: object,
+        client_id: object,
+    ) -> dict[str, object] | object:
+        """The scheduler mode's admit: ``token_ids`` is vLLM's own validated prompt list, of
+        which only the length is read; the session is retained. Answers as :meth:`admit`."""
     def release(self, lease: object, client_id: object | None = None) -> bool: ...
     def cancel(self, ticket: object, client_id: object | None, now: float) -> bool: ...
     def finish(self, session_id: object, client_id: object | None, now: float) -> bool: ...
