@@ -144,6 +144,58 @@ async def test_a_held_request_aborted_with_asyncllm_abort_leaves_nothing(engine)
     assert engine.output_processor.get_num_unfinished_requests() == 0
 
 
+async def test_a_streaming_input_session_holds_its_first_chunks_lease_until_it_ends(engine):
+    """vLLM's own sessions (streaming input: one resumable request, KV kept between chunks):
+    the gate decides on the first chunk; the lease stays committed while the session waits for
+    its next chunk (its blocks stay allocated) and is released when the stream ends. Later
+    chunks are not held (holding them would free nothing: their blocks are the request's)."""
+    from vllm.engine.protocol import StreamingInput
+    from vllm.sampling_params import RequestOutputKind
+
+    before = await sched(engine)
+    chunks = [prompt(6, 100), prompt(7, 40)]
+    sent = [asyncio.Event() for _ in chunks]
+    finished = [asyncio.Event() for _ in chunks]
+    close = asyncio.Event()
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=n, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+        )
+
+    async def inputs():
+        for i, tokens in enumerate(chunks):
+            yield StreamingInput({"prompt_token_ids": list(tokens)}, params(4))
+            sent[i].set()
+            await finished[i].wait()
+        await close.wait()
+
+    async def consume() -> None:
+        chunk = 0
+        async for out in engine.generate(
+            inputs(), params(1), request_id=f"stream-{next(_ids)}", session_id="streamed"
+        ):
+            if out.outputs[0].finish_reason is not None:
+                finished[chunk].set()
+                chunk += 1
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.wait_for(finished[0].wait(), 120)
+    paused = await sched(engine)
+    assert paused["gated"] == before["gated"] + 1 and paused["leases"] == 1, paused
+    await asyncio.wait_for(finished[1].wait(), 120)
+    resumed = await sched(engine)
+    assert resumed["gated"] == paused["gated"] and resumed["leases"] == 1, resumed
+    assert resumed["held"] == before["held"], resumed
+    close.set()
+    await asyncio.wait_for(task, 120)
+
+    async def released() -> bool:
+        return (await sched(engine))["leases"] == 0
+
+    await eventually(released, what="the stream's lease released")
+
+
 async def test_shutdown_with_a_held_request_exits_cleanly(engine):
     await blocker(engine)  # never released: the engine goes down holding it
     turn = asyncio.ensure_future(run(engine, 5, 300, 600, f"r-{next(_ids)}", session_id="down"))

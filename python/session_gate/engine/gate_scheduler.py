@@ -36,6 +36,14 @@ raced the abort is released by the cancel. The leases belong to one client of th
 ``SCHEDULER_CLIENT``, which this module renews on the driver's ticks while it holds anything, so
 the lease TTL never drops a running request's lease.
 
+vLLM's own sessions (streaming input: ``AsyncLLM.generate`` fed ``StreamingInput`` chunks, one
+resumable request whose blocks stay allocated while it waits for its next chunk) are decided on
+their first chunk, under their session id (or inferred session). The lease then stays committed
+for the whole stream, waiting included, and is released when vLLM frees the request at the
+stream's end; later chunks are never held (their request is already decided: holding them
+would free nothing, the blocks are the request's). The committed working set is the first
+chunk's prompt and ``max_tokens``: it does not grow with later chunks.
+
 ``max_wait`` bounds every hold. In this mode ``SESSION_GATE_MAX_WAIT_SEC`` defaults to
 ``DEFAULT_MAX_WAIT_SEC`` (120 s) when it is unset or ``off``: a request held that long is
 admitted anyway with reason ``max_wait`` and scheduled, so a turn never starves. (The lease doors
