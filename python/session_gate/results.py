@@ -82,6 +82,9 @@ class ModeResult:
             # poll saw (vLLM's usage leaves out idle sessions' cached prefixes).
             keys = ("polls", "soft_cuts", "hard_cuts", "cancelled", "peak_usage")
             out["aimd"] = {k: stats[k] for k in keys}
+        if "inference" in stats:
+            # sched-infer: which session the gate inferred for each turn, against the truth.
+            out["inference"] = stats["inference"]
         if self.replica_stats:
             out["replica"] = self.replica_stats
         return out
