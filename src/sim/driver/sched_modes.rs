@@ -12,7 +12,10 @@
 //!   waiting queue; the requests behind it may still be scheduled.
 //! - A held attempt is polled again when the core's epoch moves (a release, another admission:
 //!   the engine book's `settle`) and at its `Wait { until }` (the engine driver's timer tick);
-//!   once admitted, the scheduler takes it in the next step it starts.
+//!   once admitted, the scheduler takes it in the next step it starts. The tick runs after an
+//!   engine step (vLLM keeps stepping while requests are held), so a `Wait` whose deadline is
+//!   already due (`until <= now`: the core's head waiting on a grace end or a yield that is due
+//!   but did not let it in) is polled again one fixed step cost later, not at the same instant.
 //! - The lease is released when the replica finishes the request. The scheduler sees requests,
 //!   not sessions, so nothing calls `finish_session`: a session's last turn leaves its room to
 //!   the core's own grace rules (it yields once idle twice the usual return gap), as in
@@ -159,7 +162,14 @@ pub(crate) struct SchedMode {
     /// (until, attempt id); an entry is stale once its attempt moved on or got a new `until`.
     timers: BinaryHeap<Reverse<(Time, u64)>>,
     seen_epoch: u64,
+    /// Seconds from a due `Wait` to its next poll: the profile's fixed step cost (set at the
+    /// first turn, from the replica).
+    tick_gap: f64,
 }
+
+/// [`SchedMode::tick_gap`] until the replica's profile is known, and its floor (a profile
+/// whose fixed step cost is 0 must still let virtual time move).
+const MIN_TICK_GAP_SEC: f64 = 1e-3;
 
 impl SchedMode {
     /// `config` as given, except that a config without `max_wait_sec` gets
@@ -183,6 +193,7 @@ impl SchedMode {
             parked: BTreeMap::new(),
             timers: BinaryHeap::new(),
             seen_epoch,
+            tick_gap: MIN_TICK_GAP_SEC,
         };
         mode.reset(sessions);
         Ok(mode)
@@ -228,10 +239,15 @@ impl SchedMode {
                     self.core.on_prefix(id, Ok(report), now)?;
                 }
                 Action::Wait { until } => {
-                    let old = self.parked.insert(id.0, (s, until));
+                    let due = if until > now {
+                        until
+                    } else {
+                        now + self.tick_gap
+                    };
+                    let old = self.parked.insert(id.0, (s, due));
                     // A spurious wake-up answers the same deadline: keep the timer we have.
-                    if old.is_none_or(|(_, t)| t != until) {
-                        self.timers.push(Reverse((Time(until), id.0)));
+                    if old.is_none_or(|(_, t)| t != due) {
+                        self.timers.push(Reverse((Time(due), id.0)));
                     }
                     return Ok(());
                 }
@@ -327,6 +343,7 @@ impl SchedulerHook for SchedMode {
 
 impl Mode for SchedMode {
     fn turn_ready(&mut self, ctx: &mut Ctx<'_>, s: SessionIx) -> Result<()> {
+        self.tick_gap = ctx.replica().cost().fixed_step_sec().max(MIN_TICK_GAP_SEC);
         // Straight to the replica: the scheduler asks the gate. The label is replaced by the
         // gate's reason once the turn finishes (`admission`).
         ctx.admit(s, "sched");
