@@ -439,7 +439,7 @@ impl Sim {
         }
     }
 
-    fn step_done(&mut self, mode: &mut dyn Mode, outcome: StepOutcome) -> Result<()> {
+    fn step_done(&mut self, mode: &dyn Mode, outcome: StepOutcome) -> Result<()> {
         for done in &outcome.finished {
             if self.aborted.remove(&done.id) {
                 continue;
