@@ -289,3 +289,40 @@ fn the_same_inputs_give_the_same_run() {
     };
     assert_eq!(run(), run());
 }
+
+/// Holds the requests whose ids it lists; counts the looks.
+struct Hold(Vec<u64>, u32);
+
+impl session_gate::sim::scheduler::WaitingGate for Hold {
+    fn may_schedule(
+        &mut self,
+        req: &SimRequest,
+        _kv: &session_gate::sim::kv_manager::KvManager,
+    ) -> bool {
+        self.1 += 1;
+        !self.0.contains(&req.id)
+    }
+}
+
+#[test]
+fn a_waiting_gate_skips_held_requests_in_place_and_schedules_the_ones_behind() {
+    let mut r = replica(100, 4, 1000);
+    for id in 1..=3 {
+        r.add_request(unique(id, 40, 2)).unwrap();
+    }
+    let mut gate = Hold(vec![1], 0);
+    r.step_gated(Some(&mut gate)).unwrap();
+    let ids: Vec<u64> = r.last_scheduled().iter().map(|e| e.0).collect();
+    assert_eq!(ids, vec![2, 3]);
+    assert_eq!(r.scheduler().waiting_ids(), vec![1], "held in place");
+    assert_eq!(gate.1, 3);
+    // Once let through, it is scheduled with the running ones; a gate holding everything
+    // waiting and nothing running is a step with no work.
+    gate.0.clear();
+    r.step_gated(Some(&mut gate)).unwrap();
+    assert_eq!(r.scheduler().waiting_ids(), Vec::<u64>::new());
+    let mut r = replica(100, 4, 1000);
+    r.add_request(unique(9, 40, 2)).unwrap();
+    assert!(r.step_gated(Some(&mut Hold(vec![9], 0))).is_none());
+    assert_eq!(r.scheduler().waiting_ids(), vec![9]);
+}

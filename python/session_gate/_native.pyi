@@ -568,13 +568,15 @@ def simulate_rl_steps(
     max_num_batched_tokens: int | None = None,
     seed: int = 0,
 ) -> list[dict[str, object]]:
-    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``, ``aimd``, ``pause``) of a workload
-    on the twin over consecutive RL steps (one session list per step), each step on a fresh
-    replica, through ONE mode object: the gate core lives across steps, the other modes start
-    afresh. The built-in ``profile`` or the TOML ``profile_text``; the profile's replica shape
-    unless a shape field is given. One dict per step: ``records`` (columns), ``makespan_sec``,
-    ``gate_stats`` (or None; cumulative), ``replica_stats``, ``lost``, ``profile`` and
-    ``wall_sec``. The GIL is released while it runs."""
+    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``, ``aimd``, ``pause``, ``sched``,
+    ``sched-infer``) of a workload on the twin over consecutive RL steps (one session list per
+    step), each step on a fresh replica, through ONE mode object: the gate core lives across
+    steps, the other modes start afresh. The built-in ``profile`` or the TOML
+    ``profile_text``; the profile's replica shape unless a shape field is given. One dict per
+    step: ``records`` (columns), ``makespan_sec``, ``gate_stats`` (or None; cumulative),
+    ``infer_stats`` (``sched-infer``'s inferred sessions against the true ones, or None;
+    cumulative), ``replica_stats``, ``lost``, ``profile`` and ``wall_sec``. The GIL is released
+    while it runs."""
 
 def sim_profile_names() -> list[str]:
     """The built-in twin profiles."""

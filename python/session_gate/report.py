@@ -83,6 +83,24 @@ def turn_latency_table(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def inference_lines(summaries: list[dict[str, Any]]) -> str:
+    """One line per mode that inferred sessions (``sched-infer``): how its inferred sessions
+    compare with the true ones; empty when no mode did."""
+    lines = []
+    for s in summaries:
+        inf = s.get("inference")
+        if not inf:
+            continue
+        lines.append(
+            f"{s['mode']}: inferred sessions: {inf['continued_true']}/{inf['later_turns']} later "
+            f"turns continued their true session ({inf['continued_fraction']:.2%}), "
+            f"{inf['continued_other']} another, {inf['missed']} started a new one; "
+            f"{inf['first_new']} first turns new, {inf['first_merged']} merged; inference: "
+            f"{inf['continued']} continued, {inf['ambiguous']} ambiguous, {inf['new']} new"
+        )
+    return "\n".join(lines)
+
+
 def targets(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Issue 6's targets, computed from one run: oracle cap per workload, the gate's ratios."""
     out: dict[str, Any] = {}

@@ -85,6 +85,9 @@ class ModeResult:
         if "infer_audit" in stats:
             # The session inference checked against the truth (the real bench's sched-infer).
             out["infer_audit"] = stats["infer_audit"]
+        if "inference" in stats:
+            # sched-infer: which session the gate inferred for each turn, against the truth.
+            out["inference"] = stats["inference"]
         if self.replica_stats:
             out["replica"] = self.replica_stats
         return out

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from session_gate.modes import Mode, mode_names
+from session_gate.modes import SCHED_KINDS, Mode, mode_names
 from session_gate.workloads import Workload, load_trace
 
 #: What runs when neither ``--workload`` nor ``--trace`` is given.
@@ -27,11 +27,12 @@ def add_run_flags(
     modes: str | None,
     scaled_modes: bool = True,
     results: tuple[str, str] | None = None,
+    sched_modes: bool = False,
 ) -> None:
     """``--workload`` (one of ``workloads``), ``--trace``, ``--seed``; ``--modes`` with
     ``modes`` its default (none: no flag; ``scaled_modes``: whether the ``-scaled`` baselines
-    are offered); with ``results`` (the default JSON and PNG paths) ``--out``, ``--plot`` and
-    ``--records``."""
+    are offered; ``sched_modes``: whether the scheduler modes, the twin's, are); with
+    ``results`` (the default JSON and PNG paths) ``--out``, ``--plot`` and ``--records``."""
     names = sorted(workloads)
     p.add_argument(
         "--workload",
@@ -54,7 +55,8 @@ def add_run_flags(
         p.add_argument(
             "--modes",
             default=modes,
-            help=f"comma-separated modes: {', '.join(mode_names(scaled=scaled_modes))} "
+            help="comma-separated modes: "
+            f"{', '.join(mode_names(scaled=scaled_modes, sched=sched_modes))} "
             f"(default {modes})",
         )
     p.add_argument("--seed", type=int, default=0, help="the workloads' seed (default 0)")
@@ -89,14 +91,17 @@ def workloads_of(
     return out
 
 
-def modes_of(p: argparse.ArgumentParser, text: str, *, scaled: bool = True) -> list[Mode]:
-    """``--modes`` parsed; an unknown mode (or a ``-scaled`` one where ``scaled`` is false) is
-    the parser's usage error."""
+def modes_of(
+    p: argparse.ArgumentParser, text: str, *, scaled: bool = True, sched: bool = False
+) -> list[Mode]:
+    """``--modes`` parsed; an unknown mode (or a ``-scaled`` one where ``scaled`` is false, a
+    scheduler mode where ``sched`` is false) is the parser's usage error."""
     try:
         modes = [Mode.parse(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError as exc:
         p.error(str(exc))
     for mode in modes:
-        if mode.scaled and not scaled:
-            p.error(f"mode {mode.name}: expected one of {', '.join(mode_names(scaled=False))}")
+        if (mode.scaled and not scaled) or (mode.kind in SCHED_KINDS and not sched):
+            names = ", ".join(mode_names(scaled=scaled, sched=sched))
+            p.error(f"mode {mode.name}: expected one of {names}")
     return modes

@@ -11,7 +11,7 @@ use super::gate_core::stats_dict;
 use super::guard::no_panic;
 use super::knobs::PyGateConfig;
 use crate::error::Error;
-use crate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
+use crate::sim::driver::{InferStats, ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 
 /// A session as Python passes it: `(session_id, system_tokens, task_tokens, arrival, turns)`,
@@ -69,13 +69,16 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
 /// other modes start afresh each step. One step is a plain run of the workload.
 ///
 /// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
-/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults).
+/// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults),
+/// `sched` or `sched-infer` (the engine gate's scheduler mode, with `config`'s knobs;
+/// `max_wait_sec` defaults to 120 s).
 /// The cost model is the built-in `profile`, or the TOML `profile_text` read from
 /// `profile_path`. The replica has the profile's shape unless a shape field is given. `seed`
 /// seeds token identity. Returns one dict per step: `records` (columns: `session`, `turn`,
 /// `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
 /// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None, cumulative
-/// across steps), `replica_stats`, `lost` (cancelled episodes' `cancellations`, `turns`,
+/// across steps), `infer_stats` (`sched-infer`: inferred sessions against the true ones,
+/// cumulative; else None), `replica_stats`, `lost` (cancelled episodes' `cancellations`, `turns`,
 /// `tokens`), `profile` (name, description, shape used) and `wall_sec`.
 #[pyfunction]
 #[pyo3(signature = (
@@ -207,6 +210,10 @@ fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyD
         Some(s) => d.set_item("aimd_stats", super::baselines::aimd_stats_dict(py, s)?)?,
         None => d.set_item("aimd_stats", py.None())?,
     }
+    match &out.infer_stats {
+        Some(s) => d.set_item("infer_stats", infer_dict(py, s)?)?,
+        None => d.set_item("infer_stats", py.None())?,
+    }
     d.set_item("replica_stats", replica_dict(py, &out.replica_stats)?)?;
     let lost = PyDict::new(py);
     lost.set_item("cancellations", out.lost.cancellations)?;
@@ -248,6 +255,26 @@ fn engine_dict<'py>(py: Python<'py>, e: &EngineRecord) -> PyResult<Bound<'py, Py
     if let Some(v) = e.enforce_eager {
         d.set_item("enforce_eager", v)?;
     }
+    Ok(d)
+}
+
+/// `sched-infer`'s comparison of inferred and true sessions, with the inference's own counts.
+fn infer_dict<'py>(py: Python<'py>, s: &InferStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("turns", s.turns)?;
+    d.set_item("first_new", s.first_new)?;
+    d.set_item("first_merged", s.first_merged)?;
+    d.set_item("later_turns", s.later_turns())?;
+    d.set_item("continued_true", s.continued_true)?;
+    d.set_item("continued_other", s.continued_other)?;
+    d.set_item("missed", s.missed)?;
+    d.set_item("continued_fraction", s.continued_fraction())?;
+    let c = &s.counts;
+    d.set_item("continued", c.continued)?;
+    d.set_item("ambiguous", c.ambiguous)?;
+    d.set_item("new", c.new)?;
+    d.set_item("no_own_block", c.no_own_block)?;
+    d.set_item("forgotten", c.forgotten)?;
     Ok(d)
 }
 

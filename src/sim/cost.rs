@@ -332,6 +332,12 @@ impl CostModel {
         &self.coefficients
     }
 
+    /// The fixed cost of a step (`step_sec`): about what a step costs that schedules nothing,
+    /// as vLLM's busy loop runs while its waiting requests are all held by a gate.
+    pub fn fixed_step_sec(&self) -> f64 {
+        self.step_sec
+    }
+
     /// Seconds one step with this work takes (0 for an empty step).
     pub fn step_time(&self, w: &StepWork) -> f64 {
         if w.num_reqs == 0 {

@@ -20,6 +20,7 @@ mod client;
 mod events;
 mod gate_modes;
 pub mod mode;
+mod sched_modes;
 pub mod spec;
 pub mod tokens;
 
@@ -28,13 +29,15 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use self::client::{Client, Phase};
 use self::events::{Event, Events};
 use self::mode::Command;
-pub use self::mode::{Ctx, Mode, ModeSpec, SessionIx, TurnView};
+pub use self::mode::{Ctx, Mode, ModeSpec, SchedulerHook, SessionIx, TurnView};
+pub use self::sched_modes::{InferStats, SCHED_MAX_WAIT_SEC};
 pub use self::spec::{SessionSpec, TurnSpec};
 use self::tokens::HashChain;
 use crate::baselines::AimdStats;
 use crate::error::{Error, Result};
 use crate::gate::GateStats;
-use crate::sim::{Replica, ReplicaStats, StepOutcome};
+use crate::sim::scheduler::WaitingGate;
+use crate::sim::{Probes, Replica, ReplicaStats, SimRequest, StepOutcome};
 
 /// One turn as the client saw it.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,6 +75,8 @@ pub struct SimOutput {
     pub gate_stats: Option<GateStats>,
     /// The aimd controller's counters, for mode `aimd`.
     pub aimd_stats: Option<AimdStats>,
+    /// Inferred sessions against the true ones, for mode `sched-infer`.
+    pub infer_stats: Option<InferStats>,
     /// The replica's counters (steps, busy time, preemptions, ...).
     pub replica_stats: ReplicaStats,
     /// Work thrown away by cancelled episodes (aimd): the episodes cancelled, their finished
@@ -151,6 +156,7 @@ pub fn simulate(
         makespan_sec: sim.makespan,
         gate_stats: mode.gate_stats(),
         aimd_stats: mode.aimd_stats(),
+        infer_stats: mode.infer_stats(),
         replica_stats: sim.replica.stats().clone(),
         lost: sim.lost,
     })
@@ -225,14 +231,12 @@ impl Sim {
                 // (the client's round trip), so it waits in the queue for the step after; an
                 // idle engine schedules it at once.
                 if self.async_scheduling {
-                    step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
-                    self.stepping = step.is_some();
+                    step = self.step_replica(mode)?;
                 }
                 let mut ctx = self.ctx();
                 mode.step_boundary(&mut ctx)?;
                 if !self.async_scheduling {
-                    step = self.replica.step().map(|o| (self.now + o.duration_sec, o));
-                    self.stepping = step.is_some();
+                    step = self.step_replica(mode)?;
                 }
                 let reacted = !self.commands.is_empty() || !self.notes.is_empty();
                 self.settle(mode)?;
@@ -263,7 +267,7 @@ impl Sim {
             if step.as_ref().is_some_and(|(end, _)| *end <= self.now) {
                 let (_, outcome) = step.take().expect("checked");
                 self.stepping = false;
-                self.step_done(outcome)?;
+                self.step_done(mode, outcome)?;
             }
             while let Some(event) = self.events.pop_due(self.now) {
                 self.event(event)?;
@@ -276,6 +280,30 @@ impl Sim {
         }
         // The last session's end still goes to the mode (the gate's finish_session).
         self.settle(mode)
+    }
+
+    /// Starts the replica's next step (if it has anything to run), through the mode's
+    /// scheduler hook if it has one; returns the step's end time and outcome.
+    fn step_replica(&mut self, mode: &mut dyn Mode) -> Result<Option<(f64, StepOutcome)>> {
+        let outcome = match mode.scheduler_hook() {
+            None => self.replica.step(),
+            Some(hook) => {
+                let mut gate = HookGate {
+                    now: self.now,
+                    requests: &self.requests,
+                    clients: &self.clients,
+                    hook,
+                    error: None,
+                };
+                let outcome = self.replica.step_gated(Some(&mut gate));
+                if let Some(e) = gate.error {
+                    return Err(e);
+                }
+                outcome
+            }
+        };
+        self.stepping = outcome.is_some();
+        Ok(outcome.map(|o| (self.now + o.duration_sec, o)))
     }
 
     fn ctx(&mut self) -> Ctx<'_> {
@@ -411,7 +439,7 @@ impl Sim {
         }
     }
 
-    fn step_done(&mut self, outcome: StepOutcome) -> Result<()> {
+    fn step_done(&mut self, mode: &dyn Mode, outcome: StepOutcome) -> Result<()> {
         for done in &outcome.finished {
             if self.aborted.remove(&done.id) {
                 continue;
@@ -421,14 +449,16 @@ impl Sim {
             })?;
             let now = self.now;
             let c = &mut self.clients[s];
+            // A gate inside the scheduler admitted the turn after it reached the replica.
+            let (reason, admitted_at) = mode.admission(s).unwrap_or((c.reason, c.admitted_at));
             self.records.push(TurnRecord {
                 session: s,
                 turn: c.turn as u32,
                 prompt_tokens: c.history as u32,
                 cached_tokens: done.num_cached_tokens,
                 latency_sec: now - c.ready_at,
-                wait_sec: c.admitted_at - c.ready_at,
-                reason: c.reason,
+                wait_sec: admitted_at - c.ready_at,
+                reason,
                 ready_at: c.ready_at,
                 finished_at: now,
                 engine_preemptions: done.num_preemptions,
@@ -464,5 +494,42 @@ impl Sim {
             }
         }
         Ok(())
+    }
+}
+
+/// The replica scheduler's [`WaitingGate`] for a mode's [`SchedulerHook`]: names the request's
+/// session and the step's time. The hook's first error is kept for the driver (the request is
+/// then let through, so the step stays well-formed).
+struct HookGate<'a> {
+    now: f64,
+    requests: &'a HashMap<u64, SessionIx>,
+    clients: &'a [Client],
+    hook: &'a mut dyn SchedulerHook,
+    error: Option<Error>,
+}
+
+impl WaitingGate for HookGate<'_> {
+    fn may_schedule(&mut self, req: &SimRequest, kv: &crate::sim::kv_manager::KvManager) -> bool {
+        if self.error.is_some() {
+            return true;
+        }
+        let Some(&s) = self.requests.get(&req.id) else {
+            self.error = Some(Error::InvalidInput(format!(
+                "replica holds unknown request {}",
+                req.id
+            )));
+            return true;
+        };
+        let session_id = &self.clients[s].spec.session_id;
+        match self
+            .hook
+            .may_schedule(self.now, s, session_id, req, Probes::new(kv))
+        {
+            Ok(ready) => ready,
+            Err(e) => {
+                self.error = Some(e);
+                true
+            }
+        }
     }
 }

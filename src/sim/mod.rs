@@ -10,7 +10,12 @@
 //! - [`scheduler`]: `Scheduler.schedule()` / `update_from_output()` (FCFS, chunked prefill,
 //!   preemption by recompute of the last admitted request, `num_cached_tokens`);
 //! - [`cost`]: the step-time model and the embedded profiles (`profiles/*.toml`);
-//! - [`replica`]: the facade the driver uses ([`Replica`]).
+//! - [`replica`]: the facade the driver uses ([`Replica`]), and the gate's probes over the KV
+//!   state ([`Probes`]).
+//!
+//! A [`scheduler::WaitingGate`] passed to [`Replica::step_gated`] is asked about each waiting
+//! request the scheduler reaches and may hold it in place (the engine gate's scheduler mode);
+//! [`Replica::step`] has none.
 //!
 //! # Interface notes for the driver
 //! - [`Replica::add_request`] returns `crate::Result<()>`: a request with no prompt, no output
@@ -36,7 +41,7 @@ pub mod replica;
 pub mod scheduler;
 
 pub use cost::{CostModel, EngineRecord, StepWork};
-pub use replica::{Replica, ReplicaStats};
+pub use replica::{Probes, Replica, ReplicaStats};
 
 /// A block's chained hash: any value that is equal iff the whole prefix up to and including the
 /// block is equal (a token-block id sequence is enough; real hash bytes are not needed).

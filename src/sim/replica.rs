@@ -2,7 +2,7 @@
 //! the calls a driver makes (add, abort, step, and the two probes the gate asks).
 use super::cost::CostModel;
 use super::kv_manager::{HitMemo, KvManager};
-use super::scheduler::{Scheduled, Scheduler, SchedulerLimits};
+use super::scheduler::{Scheduled, Scheduler, SchedulerLimits, WaitingGate};
 use super::{BlockHash, ReplicaConfig, SimRequest, StepOutcome};
 use crate::gate::{PrefixReport, UsageReport};
 use crate::{Error, Result};
@@ -123,14 +123,22 @@ impl Replica {
 
     /// Schedules and runs one engine step; `None` when there is nothing to run.
     pub fn step(&mut self) -> Option<StepOutcome> {
+        self.step_gated(None)
+    }
+
+    /// [`Self::step`] with `gate` asked about each waiting request the scheduler reaches (the
+    /// engine gate's scheduler mode); `None` also when every waiting request is held and
+    /// nothing runs.
+    pub fn step_gated(&mut self, gate: Option<&mut dyn WaitingGate>) -> Option<StepOutcome> {
         if self.sched.num_running() == 0 && self.sched.num_waiting() == 0 {
             return None;
         }
         let mut step = std::mem::take(&mut self.step_scratch);
-        self.sched.schedule(&mut step);
+        self.sched.schedule_gated(&mut step, gate);
         if step.entries.is_empty() && step.preempted.is_empty() {
             // Nothing fits (only possible when waiting requests cannot be admitted and nothing
-            // runs, which add_request's size check rules out); report no progress.
+            // runs, which add_request's size check rules out), or a gate holds every waiting
+            // request; report no progress.
             self.step_scratch = step;
             return None;
         }
@@ -155,37 +163,12 @@ impl Replica {
 
     /// O(1): the same fields the real plugin's usage probe answers.
     pub fn usage(&self) -> UsageReport {
-        let pool = &self.sched.kv.pool;
-        UsageReport {
-            kv_cache_usage: pool.usage(),
-            num_blocks: u64::from(pool.num_blocks() - 1),
-            num_free_blocks: u64::from(pool.num_free_blocks()),
-            // The twin keeps this count in O(1), so it always answers it (the real plugin only
-            // counts when asked: `count_cached_free`).
-            num_cached_free_blocks: Some(u64::from(pool.num_cached_free_blocks())),
-            block_size: u64::from(self.config.block_size),
-        }
+        self.probes().usage()
     }
 
     /// Read-only: what the real plugin's prefix probe would answer for this prompt now.
     pub fn probe_prefix(&self, block_hashes: &[BlockHash], prompt_tokens: u32) -> PrefixReport {
-        let hit_blocks = self.sched.kv.count_hit_blocks(block_hashes, prompt_tokens);
-        self.prefix_report(hit_blocks, prompt_tokens)
-    }
-
-    fn prefix_report(&self, hit_blocks: u32, prompt_tokens: u32) -> PrefixReport {
-        let hit_tokens = (u64::from(hit_blocks) * u64::from(self.config.block_size))
-            .min(u64::from(prompt_tokens));
-        PrefixReport {
-            hit_ratio: if prompt_tokens == 0 {
-                0.0
-            } else {
-                hit_tokens as f64 / f64::from(prompt_tokens)
-            },
-            hit_blocks: u64::from(hit_blocks),
-            hit_tokens,
-            prompt_tokens: u64::from(prompt_tokens),
-        }
+        self.probes().probe_prefix(block_hashes, prompt_tokens)
     }
 
     /// [`Self::probe_prefix`] through a caller's memo of the same hash chain (keyed by `key`;
@@ -197,11 +180,13 @@ impl Replica {
         prompt_tokens: u32,
         memo: &mut HitMemo,
     ) -> PrefixReport {
-        let hit_blocks = self
-            .sched
-            .kv
-            .cache_hit_memo(key, block_hashes, prompt_tokens, memo);
-        self.prefix_report(hit_blocks, prompt_tokens)
+        self.probes()
+            .probe_prefix_memo(key, block_hashes, prompt_tokens, memo)
+    }
+
+    /// The probes over the replica's KV state now.
+    pub fn probes(&self) -> Probes<'_> {
+        Probes::new(&self.sched.kv)
     }
 
     /// Running requests.
@@ -228,5 +213,74 @@ impl Replica {
     /// The scheduler (tests and diagnostics).
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
+    }
+}
+
+/// The gate's two probes over a KV-cache manager: what the replica answers between steps, and
+/// what a [`WaitingGate`] reads in the middle of a step (the engine gate's scheduler mode probes
+/// vLLM's block pool in-process, from inside `schedule()`).
+#[derive(Debug, Clone, Copy)]
+pub struct Probes<'a> {
+    kv: &'a KvManager,
+}
+
+impl<'a> Probes<'a> {
+    /// The probes over `kv`.
+    pub fn new(kv: &'a KvManager) -> Self {
+        Self { kv }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.kv.block_size()
+    }
+
+    /// O(1): the same fields the real plugin's usage probe answers.
+    pub fn usage(&self) -> UsageReport {
+        let pool = &self.kv.pool;
+        UsageReport {
+            kv_cache_usage: pool.usage(),
+            num_blocks: u64::from(pool.num_blocks() - 1),
+            num_free_blocks: u64::from(pool.num_free_blocks()),
+            // The twin keeps this count in O(1), so it always answers it (the real plugin only
+            // counts when asked: `count_cached_free`).
+            num_cached_free_blocks: Some(u64::from(pool.num_cached_free_blocks())),
+            block_size: u64::from(self.kv.block_size()),
+        }
+    }
+
+    /// What the real plugin's prefix probe would answer for this prompt now.
+    pub fn probe_prefix(&self, block_hashes: &[BlockHash], prompt_tokens: u32) -> PrefixReport {
+        let hit_blocks = self.kv.count_hit_blocks(block_hashes, prompt_tokens);
+        self.prefix_report(hit_blocks, prompt_tokens)
+    }
+
+    /// [`Self::probe_prefix`] through a caller's memo of the same hash chain (keyed by `key`).
+    pub fn probe_prefix_memo(
+        &self,
+        key: u64,
+        block_hashes: &[BlockHash],
+        prompt_tokens: u32,
+        memo: &mut HitMemo,
+    ) -> PrefixReport {
+        let hit_blocks = self
+            .kv
+            .cache_hit_memo(key, block_hashes, prompt_tokens, memo);
+        self.prefix_report(hit_blocks, prompt_tokens)
+    }
+
+    fn prefix_report(&self, hit_blocks: u32, prompt_tokens: u32) -> PrefixReport {
+        let hit_tokens =
+            (u64::from(hit_blocks) * u64::from(self.kv.block_size())).min(u64::from(prompt_tokens));
+        PrefixReport {
+            hit_ratio: if prompt_tokens == 0 {
+                0.0
+            } else {
+                hit_tokens as f64 / f64::from(prompt_tokens)
+            },
+            hit_blocks: u64::from(hit_blocks),
+            hit_tokens,
+            prompt_tokens: u64::from(prompt_tokens),
+        }
     }
 }

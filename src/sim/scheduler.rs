@@ -17,6 +17,11 @@
 //! 3. After the step, a request whose computed tokens reach its length samples one token; one that
 //!    has `max_tokens` outputs finishes and frees its blocks (in scheduling order).
 //!
+//! A [`WaitingGate`] (the engine gate's scheduler mode, twin mode `sched`) may hold waiting
+//! requests: the waiting pass asks it about each request it reaches, and a held request is
+//! skipped, staying where it is in the queue, while the pass goes on with the requests behind it
+//! (vLLM's `_handle_blocked_waiting_request`). Without a gate the pass is exactly rule 2.
+//!
 //! `num_cached_tokens` (what the engine reports in the request's final output) is the prefix hit
 //! found when the request is admitted for the first time; a request preempted and re-admitted
 //! keeps that first value (`PrefillStats.set` runs only while `num_preemptions == 0`).
@@ -51,6 +56,16 @@ impl ReqState {
     fn num_tokens(&self) -> u32 {
         self.req.prompt_tokens + self.num_output
     }
+}
+
+/// Asked by the waiting pass about each waiting request it reaches, before the request's
+/// prefix lookup: the twin's `Scheduler._handle_blocked_waiting_request`, which the engine gate's
+/// scheduler mode wraps. It reads the KV state as the step has left it so far (read-only: the
+/// gate's probes).
+pub trait WaitingGate {
+    /// Whether `req` may be scheduled in this step; `false` skips it for this step and leaves
+    /// it where it is in the waiting queue.
+    fn may_schedule(&mut self, req: &SimRequest, kv: &KvManager) -> bool;
 }
 
 /// What one step scheduled, for the cost model and the caller.
@@ -164,6 +179,12 @@ impl Scheduler {
 
     /// `schedule()`: picks this step's tokens and advances `num_computed_tokens`.
     pub fn schedule(&mut self, out: &mut Scheduled) {
+        self.schedule_gated(out, None);
+    }
+
+    /// [`Self::schedule`] with `gate` asked about each waiting request the pass reaches; the
+    /// requests it holds are skipped in place.
+    pub fn schedule_gated(&mut self, out: &mut Scheduled, mut gate: Option<&mut dyn WaitingGate>) {
         out.entries.clear();
         out.preempted.clear();
         out.work = StepWork::default();
@@ -212,12 +233,21 @@ impl Scheduler {
             idx += 1;
         }
 
-        // 2. Waiting requests, only when nothing was preempted.
+        // 2. Waiting requests, only when nothing was preempted. `pos` passes over the requests
+        // a gate holds (always 0 without a gate: the queue's front).
         if out.preempted.is_empty() {
+            let mut pos = 0;
             while budget > 0
                 && (self.running.len() as u32) < self.limits.max_num_seqs
-                && let Some(&id) = self.waiting.front()
+                && let Some(&id) = self.waiting.get(pos)
             {
+                if let Some(gate) = gate.as_deref_mut() {
+                    let st = self.reqs.get(&id).expect("waiting request is known");
+                    if !gate.may_schedule(&st.req, &self.kv) {
+                        pos += 1;
+                        continue;
+                    }
+                }
                 let st = self.reqs.get_mut(&id).expect("waiting request is known");
                 let num_tokens = st.num_tokens();
                 // Waiting requests always have num_computed 0 here (new or preempted).
@@ -243,7 +273,7 @@ impl Scheduler {
                     break;
                 }
                 st.num_computed = hit_tokens;
-                self.waiting.pop_front();
+                self.waiting.remove(pos);
                 self.running.push(id);
                 self.record(id, n, out);
                 budget -= n;

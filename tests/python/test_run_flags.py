@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from session_gate.lab.bench import __main__ as bench
 from session_gate.lab.bench import clients
-from session_gate.modes import Mode, mode_names
+from session_gate.modes import SCHED_KINDS, Mode, mode_names
 from session_gate.sim import __main__ as sim
 from session_gate.workloads import SCALE_WORKLOADS, WORKLOADS
 
@@ -48,6 +48,10 @@ def test_every_help_lists_every_registered_workload_and_mode(capsys, monkeypatch
     for name in mode_names(scaled=False):
         assert name in sim_help, name
     assert "-scaled" not in sim_help
+    # The scheduler modes: the twin models them, the real bench starts their engine.
+    for name in SCHED_KINDS:
+        assert name in sim_help, name
+        assert name in bench_help, name
     for flag in SHARED:
         assert flag in bench_help and flag in sim_help, flag
     clients_help = _help(clients.main, capsys, monkeypatch)
@@ -64,3 +68,10 @@ def test_every_listed_mode_parses_and_the_twin_refuses_scaled_baselines():
     assert [m.name for m in bench.parse_args(["--modes", "aimd-scaled"]).mode_list] == [
         "aimd-scaled"
     ]
+    for name in mode_names(sched=True):
+        assert Mode.parse(name.replace("capN", "cap3")).kind in name
+    assert [m.kind for m in sim.parse_args(["--modes", "sched,sched-infer"]).mode_list] == [
+        "sched",
+        "sched-infer",
+    ]
+    assert [m.kind for m in bench.parse_args(["--modes", "sched"]).mode_list] == ["sched"]

@@ -243,3 +243,41 @@ def test_rl_steps_share_one_gate_and_the_matrix_reports_each_step_and_the_later_
         (multi[1]["makespan_sec"] + multi[2]["makespan_sec"]) / 2
     )
     assert len(rows["cap8"]["steps"]) == 3
+
+
+def test_the_scheduler_modes_run_on_the_twin_and_report_the_inference(capsys):
+    w = workloads.default_workload(0)
+    gate, sched, infer = (
+        run_twin(w, Mode.parse(m), "cpu-tiny") for m in ("gate", "sched", "sched-infer")
+    )
+    for r in (sched, infer):
+        s = r.summary()
+        assert s["turns"] == gate.summary()["turns"] == 160
+        # The gate's reasons label the turns it admitted inside the scheduler.
+        assert set(s["admissions_by_reason"]) <= {
+            "open",
+            "reserved_session",
+            "resident_prefix",
+            "prefix_probe_unavailable",
+            "max_wait",
+        }
+    assert "inference" not in sched.summary()
+    inf = infer.summary()["inference"]
+    assert inf["turns"] == 160 and inf["first_new"] == 16 and inf["later_turns"] == 144
+    assert inf["continued_fraction"] >= 0.99
+    # The CLI prints the inference line for sched-infer only.
+    sim_main.run(sim_main.parse_args(["--workload", "default", "--modes", "sched,sched-infer"]))
+    out = capsys.readouterr().out
+    assert "sched-infer: inferred sessions:" in out
+    assert "sched: inferred" not in out
+
+
+def test_the_scheduler_modes_never_run_as_a_client_admission():
+    """The fidelity check does not offer them, and the bench's client admission refuses them
+    (the runner starts their engine in scheduler mode and admits nothing in the client)."""
+    from session_gate.lab.bench.admission import Admission
+
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--modes", "none,sched"])
+    with pytest.raises(ValueError, match="the engine's scheduler gates it"):
+        Admission(Mode.parse("sched"), probe=None)

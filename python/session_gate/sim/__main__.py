@@ -71,7 +71,11 @@ def run(
             by_workload[key] = summaries
             print(f"{workload.describe()}; profile {profile} (SIMULATED)")
             print("\n" + report.table(summaries))
-            print("\n" + report.turn_latency_table(summaries) + "\n", flush=True)
+            print("\n" + report.turn_latency_table(summaries) + "\n")
+            inference = report.inference_lines(summaries)
+            if inference:
+                print(inference + "\n")
+            sys.stdout.flush()
     return by_workload
 
 

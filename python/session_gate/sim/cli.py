@@ -34,10 +34,15 @@ def add_common(
     p: argparse.ArgumentParser, *, modes: str | None, results: tuple[str, str] | None = None
 ) -> None:
     """The run flags (``run_flags.add_run_flags``; the twin offers no ``-scaled`` modes: it
-    runs the baselines with their literal time constants), ``--profile``, every gate knob and
-    the replica shape."""
+    runs the baselines with their literal time constants; it offers the scheduler modes),
+    ``--profile``, every gate knob and the replica shape."""
     run_flags.add_run_flags(
-        p, workloads=ALL_WORKLOADS, modes=modes, scaled_modes=False, results=results
+        p,
+        workloads=ALL_WORKLOADS,
+        modes=modes,
+        scaled_modes=False,
+        results=results,
+        sched_modes=True,
     )
     p.add_argument(
         "--profile",
@@ -45,7 +50,7 @@ def add_common(
         default=["cpu-tiny"],
         help="built-in profile names or profile TOML files (default cpu-tiny)",
     )
-    knobs = p.add_argument_group("gate knobs (seed and gate modes)")
+    knobs = p.add_argument_group("gate knobs (seed, gate, sched and sched-infer modes)")
     for name in knob_names():
         knobs.add_argument(
             f"--{name.replace('_', '-')}", dest=f"knob_{name}", type=_knob_value, default=None
@@ -81,4 +86,4 @@ def workloads_of(args: argparse.Namespace) -> list[Workload]:
 
 
 def modes_of(p: argparse.ArgumentParser, text: str) -> list[Mode]:
-    return run_flags.modes_of(p, text, scaled=False)
+    return run_flags.modes_of(p, text, scaled=False, sched=True)

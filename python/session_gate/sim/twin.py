@@ -85,7 +85,7 @@ def run_twin_steps(
         raise ValueError(
             f"mode {mode.name}: the twin runs the baselines with their literal time constants"
         )
-    config = _native.GateConfig(**(knobs or {})) if mode.kind in ("seed", "gate") else None
+    config = _native.GateConfig(**(knobs or {})) if mode.gated else None
     outs = _native.simulate_rl_steps(
         [native_sessions(w) for w in steps],
         mode.kind,
@@ -106,12 +106,16 @@ def _result(workload: Workload, mode: Mode, profile: str, out: dict[str, Any]) -
     if out["profile"]["engine"]:
         # The engine a calibrated profile was timed on (its [engine] table).
         stats["calibrated_engine"] = out["profile"]["engine"]
+    gate_stats = out["gate_stats"] or out["aimd_stats"] or {}
+    if out["infer_stats"] is not None:
+        # sched-infer: the summary reports the inferred sessions against the true ones.
+        gate_stats = {**gate_stats, "inference": out["infer_stats"]}
     return ModeResult(
         mode.name,
         workload.name,
         out["makespan_sec"],
         records,
-        out["gate_stats"] or out["aimd_stats"] or {},
+        gate_stats,
         engine=f"twin:{profile_label(profile)}",
         replica_stats=stats,
         lost_turns=out["lost"]["turns"],

@@ -10,12 +10,13 @@
 use crate::baselines::{AimdConfig, AimdStats, PauseConfig};
 use crate::error::{Error, Result};
 use crate::gate::{GateConfig, GateStats, Pressure};
-use crate::sim::{BlockHash, Replica};
+use crate::sim::{BlockHash, Probes, Replica, SimRequest};
 
 use super::baselines::{AimdMode, PauseMode};
 use super::cap::CapMode;
 use super::client::Client;
 use super::gate_modes::GateMode;
+use super::sched_modes::{InferStats, SchedMode};
 
 /// A session's index in the workload.
 pub type SessionIx = usize;
@@ -97,6 +98,22 @@ impl<'a> Ctx<'a> {
     }
 }
 
+/// A mode inside the replica's scheduler (modes `sched`, `sched-infer`): asked about each
+/// waiting request the scheduler's waiting pass reaches, in the step that starts at `now`.
+pub trait SchedulerHook {
+    /// Whether session `s`'s request `req` (its session id `session_id`) may be scheduled in
+    /// this step; `false` holds it in place in the waiting queue. `probes` read the KV state as
+    /// the step has left it so far.
+    fn may_schedule(
+        &mut self,
+        now: f64,
+        s: SessionIx,
+        session_id: &str,
+        req: &SimRequest,
+        probes: Probes<'_>,
+    ) -> Result<bool>;
+}
+
 /// An admission policy in virtual time. Every call happens at `ctx.now()`; a mode must not
 /// assume anything about time except through it.
 pub trait Mode {
@@ -137,8 +154,26 @@ pub trait Mode {
         Ok(())
     }
 
+    /// The hook the replica's scheduler asks about waiting requests, for modes that gate
+    /// inside the scheduler. Default: none (the scheduler is vLLM's, untouched).
+    fn scheduler_hook(&mut self) -> Option<&mut dyn SchedulerHook> {
+        None
+    }
+
+    /// How session `s`'s turn, whose answer is complete, was admitted (reason, virtual time),
+    /// when the mode decided it after the turn reached the replica (inside the scheduler);
+    /// asked before [`Mode::turn_finished`]. Default: none (what `Ctx::admit` said holds).
+    fn admission(&self, _s: SessionIx) -> Option<(&'static str, f64)> {
+        None
+    }
+
     /// The gate's counters, for modes that run the gate core.
     fn gate_stats(&self) -> Option<GateStats> {
+        None
+    }
+
+    /// How inferred sessions compare with the true ones, for mode `sched-infer`.
+    fn infer_stats(&self) -> Option<InferStats> {
         None
     }
 
@@ -170,11 +205,21 @@ pub enum ModeSpec {
     Aimd(AimdConfig),
     /// ThunderAgent's tool-boundary pausing (`crate::baselines::pause`).
     Pause(PauseConfig),
+    /// The engine gate's scheduler mode: the gate core inside the replica's scheduler, keyed
+    /// by the session id (`max_wait_sec` defaults to `SCHED_MAX_WAIT_SEC`).
+    Sched(GateConfig),
+    /// [`ModeSpec::Sched`] keyed by the session the gate infers from the prompt's blocks.
+    SchedInfer(GateConfig),
+    /// [`ModeSpec::Sched`] whose clients also tell the gate when a session ends (the engine
+    /// gate's `finish` route). Not a bench mode (no name in [`ModeSpec::from_kind`]): it
+    /// measures what the scheduler's not knowing session ends costs.
+    SchedFinishing(GateConfig),
 }
 
 impl ModeSpec {
-    /// The mode of kind `kind` (`none`, `cap`, `seed`, `gate`), with `cap` sessions for `cap`
-    /// and the gate knobs `config` for the gates (`seed` forces `pressure = "engine"`).
+    /// The mode of kind `kind` (`none`, `cap`, `seed`, `gate`, `aimd`, `pause`, `sched`,
+    /// `sched-infer`), with `cap` sessions for `cap` and the gate knobs `config` for the gates
+    /// (`seed` forces `pressure = "engine"`).
     pub fn from_kind(kind: &str, cap: u32, config: GateConfig) -> Result<Self> {
         Ok(match kind {
             "none" => Self::None,
@@ -187,9 +232,12 @@ impl ModeSpec {
             "gate" => Self::Gate(config),
             "aimd" => Self::Aimd(AimdConfig::default()),
             "pause" => Self::Pause(PauseConfig::default()),
+            "sched" => Self::Sched(config),
+            "sched-infer" => Self::SchedInfer(config),
             other => {
                 return Err(Error::InvalidInput(format!(
-                    "unknown mode kind `{other}` (expected none, cap, seed, gate, aimd or pause)"
+                    "unknown mode kind `{other}` (expected none, cap, seed, gate, aimd, pause, \
+                     sched or sched-infer)"
                 )));
             }
         })
@@ -203,6 +251,9 @@ impl ModeSpec {
             Self::Seed(c) | Self::Gate(c) => Box::new(GateMode::new(c.clone(), sessions)?),
             Self::Aimd(c) => Box::new(AimdMode::new(c.clone())?),
             Self::Pause(c) => Box::new(PauseMode::new(c.clone())?),
+            Self::Sched(c) => Box::new(SchedMode::new(c.clone(), sessions, false, false)?),
+            Self::SchedInfer(c) => Box::new(SchedMode::new(c.clone(), sessions, true, false)?),
+            Self::SchedFinishing(c) => Box::new(SchedMode::new(c.clone(), sessions, false, true)?),
         })
     }
 }

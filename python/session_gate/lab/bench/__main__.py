@@ -31,9 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         workloads=WORKLOADS,
         modes=DEFAULT_MODES,
         results=("bench-results.json", "bench-results.png"),
+        sched_modes=True,
     )
     args = p.parse_args(argv)
-    args.mode_list = run_flags.modes_of(p, args.modes)
+    args.mode_list = run_flags.modes_of(p, args.modes, sched=True)
     try:
         args.workloads = run_flags.workloads_of(args, WORKLOADS)
     except (ValueError, OSError) as exc:

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from session_gate.modes import BASELINE_KINDS, Mode
+from session_gate.modes import BASELINE_KINDS, SCHED_KINDS, Mode
 from session_gate.workloads import Workload
 
 #: The tool latency the baselines' literal time constants were set for (seconds): a 5 s tick is
@@ -51,6 +51,11 @@ class Admission:
         workload: Workload | None = None,
         knobs: dict[str, Any] | None = None,
     ) -> None:
+        if mode.kind in SCHED_KINDS:
+            # The gate sits in vLLM's scheduler: the runner starts such a mode's engine in
+            # scheduler mode and asks no admission of the client (kind "none"); an Admission of
+            # the mode itself would silently run it ungated.
+            raise ValueError(f"mode {mode.name}: the engine's scheduler gates it, not the client")
         self.mode = mode
         self.gate = None
         self._slots = asyncio.Semaphore(mode.cap) if mode.kind == "cap" else None

@@ -9,13 +9,11 @@ from typing import Any
 
 from session_gate.lab.bench.admission import Admission, EpisodeCancelled
 from session_gate.lab.engine.launch import agenerate
-from session_gate.modes import Mode
+from session_gate.modes import SCHED_KINDS, Mode
 from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import SessionSpec, Workload
 
 VOCAB = 4096
-#: Modes whose gate is in vLLM's scheduler (their engine runs with SESSION_GATE_SCHEDULER).
-SCHED_KINDS = ("sched", "sched-infer")
 
 
 async def run_mode(

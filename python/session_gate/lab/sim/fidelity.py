@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from session_gate import run_flags
-from session_gate.sim import cli
 from session_gate.sim.twin import run_twin
 from session_gate.workloads import WORKLOADS
 
@@ -53,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "batch: time, running, waiting, KV usage, prefix hits, tokens) to this JSON file",
     )
     args = p.parse_args(argv)
-    args.mode_list = cli.modes_of(p, args.modes)
+    # Modes both sides run: not the scheduler modes (the real bench does not run vLLM's
+    # scheduler with the gate), nor the -scaled baselines (the twin does not).
+    args.mode_list = run_flags.modes_of(p, args.modes, scaled=False)
     try:
         # The twin runs a trace on the profile's replica shape: cpu-tiny's is the bench's engine.
         args.workloads = run_flags.workloads_of(args, WORKLOADS, trace_profile_shape=True)
