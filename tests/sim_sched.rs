@@ -99,14 +99,16 @@ fn a_held_request_does_not_block_a_later_request_of_another_session() {
 
 #[test]
 fn every_hold_is_bounded_by_the_scheduler_max_wait_by_default() {
-    // a's room outlives a 300 s tool call (a long grace); b is held until max_wait lets it in.
+    // a's room outlives a tool call longer than max_wait (a longer grace); b is held until
+    // max_wait lets it in.
     let config = GateConfig {
-        idle_grace_sec: 1000.0,
+        idle_grace_sec: SCHED_MAX_WAIT_SEC * 10.0,
         ..GateConfig::default()
     };
     assert_eq!(config.max_wait_sec, None);
+    let tool = SCHED_MAX_WAIT_SEC * 2.5;
     let sessions = vec![
-        session("a", 0, 250, 0.0, &[(0, 8, 300.0), (10, 8, 0.0)]),
+        session("a", 0, 250, 0.0, &[(0, 8, tool), (10, 8, 0.0)]),
         session("b", 0, 250, 0.001, &[(0, 8, 0.0)]),
     ];
     let out = run(sessions, 33, sched(config));

@@ -26,6 +26,7 @@ __all__ = [
     "ProbePrefix",
     "ProbeUsage",
     "SimKvManager",
+    "SCHEDULER_MAX_WAIT_SEC",
     "SessionInference",
     "SimReplica",
     "Wait",
@@ -133,6 +134,9 @@ def knobs() -> list[_Knob]:
     """Every row of the knob table (``src/gate/knobs.rs``): name, ``SESSION_GATE_*`` variable,
     default, rule in words, one-line doc, and ``home`` (``gate_config`` for a ``GateConfig``
     keyword, ``engine_core`` for a knob only the engine half reads)."""
+
+#: ``max_wait_sec`` of the engine gate's scheduler mode when none is set (seconds).
+SCHEDULER_MAX_WAIT_SEC: Final[float]
 
 def knob_from_env(name: str) -> float | int | str | None:
     """The knob ``name`` from its ``SESSION_GATE_*`` variable (blank or unset: its default),

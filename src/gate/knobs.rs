@@ -281,6 +281,13 @@ pub const KNOBS: &[Knob] = &[
     },
 ];
 
+/// `max_wait_sec` in the engine gate's scheduler mode (and the twin's `sched` modes) when the
+/// config sets none: every hold is bounded, so a turn never starves. Two hours, because the
+/// gate's own order legitimately holds turns that long on large models: on the twin's
+/// `rl-rollout` @ `h200-qwen2.5-32b` (a 4-hour step) 120 s made `sched` 2.4x slower than
+/// `gate` and 600 s 1.44x, where 7,200 s costs 2.4% (docs/results.md).
+pub const SCHEDULER_MAX_WAIT_SEC: f64 = 7200.0;
+
 /// The row named `name`, if any.
 pub fn knob(name: &str) -> Option<&'static Knob> {
     KNOBS.iter().find(|k| k.name == name)

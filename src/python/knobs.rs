@@ -169,6 +169,10 @@ fn knob_from_env<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGateConfig>()?;
+    m.add(
+        "SCHEDULER_MAX_WAIT_SEC",
+        crate::gate::knobs::SCHEDULER_MAX_WAIT_SEC,
+    )?;
     m.add_function(wrap_pyfunction!(knob_rows, m)?)?;
     m.add_function(wrap_pyfunction!(knob_from_env, m)?)?;
     Ok(())

@@ -32,14 +32,14 @@ def test_session_id_and_infer_modes_and_bad_values(monkeypatch):
             gate_scheduler.mode_from_env()
 
 
-def test_max_wait_defaults_to_120_s_in_scheduler_mode_only(monkeypatch):
+def test_max_wait_defaults_to_two_hours_in_scheduler_mode_only(monkeypatch):
     native = pytest.importorskip("session_gate._native")
     unbounded = native.GateConfig()
     monkeypatch.setattr(gate_scheduler, "installed", False)
     assert gate_scheduler.gate_config(native, unbounded).max_wait_sec is None
     monkeypatch.setattr(gate_scheduler, "installed", True)
     config = gate_scheduler.gate_config(native, unbounded)
-    assert config.max_wait_sec == gate_scheduler.DEFAULT_MAX_WAIT_SEC == 120.0
+    assert config.max_wait_sec == gate_scheduler.DEFAULT_MAX_WAIT_SEC == 7200.0
     assert config.high_watermark == unbounded.high_watermark
     bounded = native.GateConfig(max_wait_sec=3.0)
     assert gate_scheduler.gate_config(native, bounded).max_wait_sec == 3.0

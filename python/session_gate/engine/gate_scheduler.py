@@ -45,7 +45,9 @@ would free nothing, the blocks are the request's). The committed working set is 
 chunk's prompt and ``max_tokens``: it does not grow with later chunks.
 
 ``max_wait`` bounds every hold. In this mode ``SESSION_GATE_MAX_WAIT_SEC`` defaults to
-``DEFAULT_MAX_WAIT_SEC`` (120 s) when it is unset or ``off``: a request held that long is
+``DEFAULT_MAX_WAIT_SEC`` (7,200 s, ``_native.SCHEDULER_MAX_WAIT_SEC``: the gate's own order
+legitimately holds turns for over an hour on large models' rollouts) when it is unset or
+``off``: a request held that long is
 admitted anyway with reason ``max_wait`` and scheduled, so a turn never starves. (The lease doors
 share the book, so the bound applies to their admits too.)
 
@@ -91,6 +93,7 @@ from collections import Counter, deque
 from concurrent.futures import Future
 from typing import Any
 
+from session_gate import _native
 from session_gate.engine import gate_binding
 from session_gate.engine.gate_driver import metric_lines
 
@@ -103,7 +106,7 @@ OFF = "off"
 SESSION_ID = "session-id"
 INFER = "infer"
 #: ``max_wait_sec`` of the book in this mode when ``SESSION_GATE_MAX_WAIT_SEC`` sets none.
-DEFAULT_MAX_WAIT_SEC = 120.0
+DEFAULT_MAX_WAIT_SEC: float = _native.SCHEDULER_MAX_WAIT_SEC
 #: Inferences kept for ``session_gate_stats("inferred")``.
 RECENT_INFERRED = 16384
 #: The book's client that holds the scheduler's leases and attempts.
@@ -119,8 +122,6 @@ mode = OFF
 def mode_from_env() -> str:
     """``SESSION_GATE_SCHEDULER`` through the knob table: ``off`` (unset too), ``session-id`` or
     ``infer``; any other value raises ``ValueError`` naming the variable and the value."""
-    from session_gate import _native
-
     try:
         return str(_native.knob_from_env("scheduler"))
     except ValueError as e:
@@ -170,8 +171,6 @@ class SchedulerGate:
     id to its inferred session's number and its prompt's full blocks."""
 
     def __init__(self, driver: Any, infer: bool = False) -> None:
-        from session_gate import _native
-
         self._driver = driver
         self._book = driver._book
         self.mode = INFER if infer else SESSION_ID

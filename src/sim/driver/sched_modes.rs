@@ -40,9 +40,9 @@ use crate::sim::kv_manager::HitMemo;
 use crate::sim::replica::Probes;
 use crate::sim::{BlockHash, SimRequest};
 
-/// `max_wait_sec` in the scheduler modes when the config sets none (production's
-/// `gate_scheduler.DEFAULT_MAX_WAIT_SEC`): a held request never starves.
-pub const SCHED_MAX_WAIT_SEC: f64 = 120.0;
+/// `max_wait_sec` in the scheduler modes when the config sets none: production's
+/// ([`crate::gate::knobs::SCHEDULER_MAX_WAIT_SEC`]), so a held request never starves.
+pub const SCHED_MAX_WAIT_SEC: f64 = crate::gate::knobs::SCHEDULER_MAX_WAIT_SEC;
 
 /// How the inferred sessions of `sched-infer` compare with the true ones, per request.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
