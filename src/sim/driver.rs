@@ -20,6 +20,7 @@ mod client;
 mod events;
 mod gate_modes;
 pub mod mode;
+mod parked;
 mod sched_modes;
 pub mod spec;
 pub mod tokens;

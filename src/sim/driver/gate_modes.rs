@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use super::events::Time;
 use super::mode::{Ctx, Mode, SessionIx};
+use super::parked::ParkedAttempts;
 use crate::error::{Error, Result};
 use crate::gate::{Action, AttemptId, GateConfig, GateCore, GateStats, LeaseId, ProbeKind};
 use crate::sim::kv_manager::HitMemo;
@@ -37,10 +38,7 @@ pub(crate) struct GateMode {
     leases: Vec<Option<LeaseId>>,
     /// Per session: the hit chain its last prefix probe found.
     probe_memos: Vec<HitMemo>,
-    /// Parked attempts by attempt id: (session, until).
-    parked: BTreeMap<u64, (SessionIx, f64)>,
-    /// (until, attempt id); an entry is stale once its attempt moved on or got a new `until`.
-    timers: BinaryHeap<Reverse<(Time, u64)>>,
+    parked: ParkedAttempts,
     seen_epoch: u64,
     /// Probes waiting for the next step boundary, by attempt id: (session, kind, asked at).
     pending: BTreeMap<u64, (SessionIx, ProbeKind, f64)>,
@@ -59,8 +57,7 @@ impl GateMode {
             attempts: vec![None; sessions],
             leases: vec![None; sessions],
             probe_memos: vec![HitMemo::default(); sessions],
-            parked: BTreeMap::new(),
-            timers: BinaryHeap::new(),
+            parked: ParkedAttempts::default(),
             seen_epoch,
             pending: BTreeMap::new(),
             deadlines: BinaryHeap::new(),
@@ -77,15 +74,11 @@ impl GateMode {
                 Action::ProbeUsage => Some(ProbeKind::Usage),
                 Action::ProbePrefix => Some(ProbeKind::Prefix),
                 Action::Wait { until } => {
-                    let old = self.parked.insert(id.0, (s, until));
-                    // A spurious wake-up answers the same deadline: keep the timer we have.
-                    if old.is_none_or(|(_, t)| t != until) {
-                        self.timers.push(Reverse((Time(until), id.0)));
-                    }
+                    self.parked.park(id.0, s, until);
                     return Ok(());
                 }
                 Action::Admit(admission) => {
-                    self.parked.remove(&id.0);
+                    self.parked.remove(id.0);
                     self.attempts[s] = None;
                     self.leases[s] = Some(admission.lease);
                     ctx.admit(s, admission.reason.as_str());
@@ -96,7 +89,7 @@ impl GateMode {
             };
             let kind = kind.expect("a probe");
             if ctx.engine_busy() {
-                self.parked.remove(&id.0);
+                self.parked.remove(id.0);
                 self.pending.insert(id.0, (s, kind, now));
                 let deadline = now + self.probe_timeout;
                 self.deadlines.push(Reverse((Time(deadline), id.0)));
@@ -167,10 +160,8 @@ impl GateMode {
     fn settle(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
         while self.core.epoch() != self.seen_epoch {
             self.seen_epoch = self.core.epoch();
-            let parked: Vec<(u64, SessionIx)> =
-                self.parked.iter().map(|(&id, &(s, _))| (id, s)).collect();
-            for (id, s) in parked {
-                if self.parked.contains_key(&id) {
+            for (id, s) in self.parked.snapshot() {
+                if self.parked.contains(id) {
                     self.drive(ctx, s)?;
                 }
             }
@@ -234,30 +225,17 @@ impl Mode for GateMode {
             self.deadlines.pop();
         }
         let probe = self.deadlines.peek().map(|&Reverse((Time(t), _))| t);
-        while let Some(&Reverse((Time(until), id))) = self.timers.peek() {
-            if self.parked.get(&id).is_some_and(|&(_, t)| t == until) {
-                return Some(probe.map_or(until, |p| p.min(until)));
-            }
-            self.timers.pop();
+        match self.parked.next_deadline() {
+            Some(until) => Some(probe.map_or(until, |p| p.min(until))),
+            None => probe,
         }
-        probe
     }
 
     fn wake(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
         self.time_out(ctx)?;
         let now = ctx.now();
-        while let Some(&Reverse((Time(until), id))) = self.timers.peek() {
-            if until > now {
-                break;
-            }
-            self.timers.pop();
-            if let Some(&(s, t)) = self.parked.get(&id)
-                && t == until
-            {
-                // Forget the fired deadline, so whatever `Wait` the poll answers gets a timer.
-                self.parked.insert(id, (s, f64::NAN));
-                self.drive(ctx, s)?;
-            }
+        while let Some(s) = self.parked.pop_due(now) {
+            self.drive(ctx, s)?;
         }
         self.settle(ctx)
     }
@@ -274,7 +252,6 @@ impl Mode for GateMode {
         self.leases = vec![None; sessions];
         self.probe_memos = vec![HitMemo::default(); sessions];
         self.parked.clear();
-        self.timers.clear();
         self.pending.clear();
         self.deadlines.clear();
         self.seen_epoch = self.core.epoch();

@@ -27,12 +27,10 @@
 //! prompt hashes (arrive at the first look, finish when the request finishes, with the request's
 //! whole chain of prompt + answer blocks), not by the true session id, and counts how the
 //! inferred sessions compare with the true ones ([`InferStats`]).
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
 use std::sync::Arc;
 
-use super::events::Time;
 use super::mode::{Ctx, Mode, SchedulerHook, SessionIx};
+use super::parked::ParkedAttempts;
 use crate::error::{Error, Result};
 use crate::gate::infer::{InferCounts, Inferred, SessionInference};
 use crate::gate::{Action, AttemptId, GateConfig, GateCore, GateStats, LeaseId, ProbeKind};
@@ -157,10 +155,7 @@ pub(crate) struct SchedMode {
     seen: Vec<Option<Seen>>,
     /// Per session: the hit chain its last prefix probe found.
     probe_memos: Vec<HitMemo>,
-    /// Parked attempts by attempt id: (session, until).
-    parked: BTreeMap<u64, (SessionIx, f64)>,
-    /// (until, attempt id); an entry is stale once its attempt moved on or got a new `until`.
-    timers: BinaryHeap<Reverse<(Time, u64)>>,
+    parked: ParkedAttempts,
     seen_epoch: u64,
     /// Seconds from a due `Wait` to its next poll: the profile's fixed step cost (set at the
     /// first turn, from the replica).
@@ -190,8 +185,7 @@ impl SchedMode {
             finish_sessions,
             seen: Vec::new(),
             probe_memos: Vec::new(),
-            parked: BTreeMap::new(),
-            timers: BinaryHeap::new(),
+            parked: ParkedAttempts::default(),
             seen_epoch,
             tick_gap: MIN_TICK_GAP_SEC,
         };
@@ -207,7 +201,6 @@ impl SchedMode {
             inf.previous = vec![None; sessions];
         }
         self.parked.clear();
-        self.timers.clear();
         self.seen_epoch = self.core.epoch();
     }
 
@@ -244,15 +237,11 @@ impl SchedMode {
                     } else {
                         now + self.tick_gap
                     };
-                    let old = self.parked.insert(id.0, (s, due));
-                    // A spurious wake-up answers the same deadline: keep the timer we have.
-                    if old.is_none_or(|(_, t)| t != due) {
-                        self.timers.push(Reverse((Time(due), id.0)));
-                    }
+                    self.parked.park(id.0, s, due);
                     return Ok(());
                 }
                 Action::Admit(admission) => {
-                    self.parked.remove(&id.0);
+                    self.parked.remove(id.0);
                     seen.look = Look::Admitted {
                         lease: admission.lease,
                         reason: admission.reason.as_str(),
@@ -270,10 +259,8 @@ impl SchedMode {
     fn settle(&mut self, now: f64, probes: Probes<'_>) -> Result<()> {
         while self.core.epoch() != self.seen_epoch {
             self.seen_epoch = self.core.epoch();
-            let parked: Vec<(u64, SessionIx)> =
-                self.parked.iter().map(|(&id, &(s, _))| (id, s)).collect();
-            for (id, s) in parked {
-                if self.parked.contains_key(&id) {
+            for (id, s) in self.parked.snapshot() {
+                if self.parked.contains(id) {
                     self.drive(s, now, probes)?;
                 }
             }
@@ -388,31 +375,15 @@ impl Mode for SchedMode {
     }
 
     fn next_wake(&mut self) -> Option<f64> {
-        while let Some(&Reverse((Time(until), id))) = self.timers.peek() {
-            if self.parked.get(&id).is_some_and(|&(_, t)| t == until) {
-                return Some(until);
-            }
-            self.timers.pop();
-        }
-        None
+        self.parked.next_deadline()
     }
 
     /// The engine driver's timer tick: held attempts whose `Wait` ran out poll again.
     fn wake(&mut self, ctx: &mut Ctx<'_>) -> Result<()> {
         let now = ctx.now();
         let probes = ctx.replica().probes();
-        while let Some(&Reverse((Time(until), id))) = self.timers.peek() {
-            if until > now {
-                break;
-            }
-            self.timers.pop();
-            if let Some(&(s, t)) = self.parked.get(&id)
-                && t == until
-            {
-                // Forget the fired deadline, so whatever `Wait` the poll answers gets a timer.
-                self.parked.insert(id, (s, f64::NAN));
-                self.drive(s, now, probes)?;
-            }
+        while let Some(s) = self.parked.pop_due(now) {
+            self.drive(s, now, probes)?;
         }
         self.settle(now, probes)
     }
