@@ -16,6 +16,27 @@ from session_gate.workloads import SessionSpec, Workload
 VOCAB = 4096
 
 
+def system_prompt(workload: Workload) -> list[int]:
+    """The system prompt the sessions share (as long as the longest share any session uses),
+    drawn from the workload's seed."""
+    rng = random.Random(workload.seed)
+    longest = max(s.system_tokens for s in workload.sessions)
+    return [rng.randrange(3, VOCAB) for _ in range(longest)]
+
+
+class SessionTokens:
+    """A session's token contents, the same on every run, attempt and mode (a re-run can hit
+    what is still cached): ``first`` is its share of ``system`` and its task; :meth:`draw`
+    gives each turn's appended tool-result tokens, in turn order."""
+
+    def __init__(self, workload: Workload, spec: SessionSpec, system: list[int]) -> None:
+        self._rng = random.Random(f"{workload.seed}:{spec.session_id}")
+        self.first = system[: spec.system_tokens] + self.draw(spec.task_tokens)
+
+    def draw(self, n: int) -> list[int]:
+        return [self._rng.randrange(3, VOCAB) for _ in range(n)]
+
+
 async def run_mode(
     llm: Any,
     workload: Workload,
@@ -44,10 +65,7 @@ async def run_mode(
             Mode(mode.name, "none") if in_scheduler else mode, probe, llm, workload, knobs
         )
     block = workload.engine.block_size
-    rng = random.Random(workload.seed)
-    system = [
-        rng.randrange(3, VOCAB) for _ in range(max(s.system_tokens for s in workload.sessions))
-    ]
+    system = system_prompt(workload)
     records: list[TurnRecord] = []
     system_seen = [False]
     #: Tags this run's session ids, so an engine that ran the mode before holds none of them.
@@ -75,15 +93,12 @@ async def run_mode(
             return
 
     async def run_attempt(spec: SessionSpec, attempt: int, kept: list[TurnRecord]) -> None:
-        # The same token contents on every attempt: a re-run can hit what is still cached.
-        srng = random.Random(f"{workload.seed}:{spec.session_id}")
-        history = system[: spec.system_tokens] + [
-            srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
-        ]
+        tokens = SessionTokens(workload, spec, system)
+        history = list(tokens.first)
         prev_sequence = 0
         async with admission.session(spec.session_id):
             for t, turn in enumerate(spec.turns):
-                history += [srng.randrange(3, VOCAB) for _ in range(turn.append)]
+                history += tokens.draw(turn.append)
                 ideal = ideal_cached(
                     prev_sequence, len(history), block, spec.system_tokens, system_seen[0]
                 )

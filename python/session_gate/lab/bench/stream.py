@@ -38,12 +38,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import time
 from typing import Any
 
 from session_gate import report, run_flags
-from session_gate.lab.bench.runner import VOCAB, run_mode
+from session_gate.lab.bench.runner import SessionTokens, run_mode, system_prompt
 from session_gate.modes import Mode
 from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import WORKLOADS, SessionSpec, Workload
@@ -102,10 +101,7 @@ async def run_stream(
     await llm.reset_prefix_cache()
     name = f"stream-cap{max_sessions}" if max_sessions else "stream"
     block = workload.engine.block_size
-    rng = random.Random(workload.seed)
-    system = [
-        rng.randrange(3, VOCAB) for _ in range(max(s.system_tokens for s in workload.sessions))
-    ]
+    system = system_prompt(workload)
     records: list[TurnRecord] = []
     system_seen = [False]
     outstanding = [0]  # chunks sent and not finished
@@ -121,18 +117,14 @@ async def run_stream(
 
     async def session(spec: SessionSpec) -> None:
         # The runner's token contents: the same system prompt, task and tool results.
-        srng = random.Random(f"{workload.seed}:{spec.session_id}")
-        first = system[: spec.system_tokens] + [
-            srng.randrange(3, VOCAB) for _ in range(spec.task_tokens)
-        ]
+        tokens = SessionTokens(workload, spec, system)
+        first = tokens.first
         finished: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
 
         async def inputs() -> Any:
             prev_sequence = 0  # the previous turn's prompt and output
             for t, turn in enumerate(spec.turns):
-                new = (first if t == 0 else []) + [
-                    srng.randrange(3, VOCAB) for _ in range(turn.append)
-                ]
+                new = (first if t == 0 else []) + tokens.draw(turn.append)
                 kept = max(prev_sequence - 1, 0)  # vLLM drops the last sampled token
                 prompt = kept + len(new)
                 ideal = ideal_cached(
