@@ -128,6 +128,73 @@ def served_vllm(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def served_multi_api(
+    prefix: str,
+    *,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    max_num_seqs: int = 16,
+    num_blocks: int = 128,
+    block_size: int = 32,
+    max_model_len: int = 4064,
+) -> Iterator[str]:
+    """``vllm serve --api-server-count 2`` over the tiny model with a tokenizer, through the
+    CLI's own serve command (``session_gate.lab.engine.vllm_serve``: ``start_vllm`` ignores the
+    flag), both session_gate plugins and ``env``: yields its base URL, and always stops it and
+    removes its work directory."""
+    import sys
+
+    from session_gate.lab.engine.serve import _start, free_port, stop
+    from session_gate.lab.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
+
+    workdir = Path(tempfile.mkdtemp(prefix=f"session-gate-{prefix}-"))
+    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
+    port = free_port()
+    args = [
+        sys.executable, "-m", "session_gate.lab.engine.vllm_serve", "--model", model,
+        "--served-model-name", "tiny",
+        "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
+        "--block-size", str(block_size), "--num-gpu-blocks-override", str(num_blocks),
+        "--max-model-len", str(max_model_len), "--enable-prefix-caching",
+        "--gpu-memory-utilization", "0.1", "--max-num-seqs", str(max_num_seqs),
+        "--max-num-batched-tokens", str(max_model_len), "--seed", "0",
+        "--host", "127.0.0.1", "--port", str(port), "--api-server-count", "2",
+        *extra_args,
+    ]  # fmt: skip
+    full_env = dict(os.environ, **(env or {}), VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        proc = _start(args, workdir / "vllm.log", f"{base}/health", SERVE_TIMEOUT, env=full_env)
+        try:
+            yield base
+        finally:
+            stop(proc)
+    finally:
+        keep_log(workdir / "vllm.log", prefix)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def gate_stats(url: str) -> dict:
+    """``/session_gate/v1/stats`` of the server at ``url``."""
+    import httpx
+
+    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def scheduler_settled(url: str) -> dict:
+    """The gate's stats once no scheduler lease nor hold is left (turns end asynchronously)."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = gate_stats(url)
+        if s["scheduler"]["leases"] == 0 and s["scheduler"]["holding"] == 0:
+            return s
+        assert time.monotonic() < deadline, f"scheduler leases or holds never ended: {s}"
+        time.sleep(0.1)
+
+
 #: How many times a test streams and leaves mid-stream before it fails: a sample where vLLM's
 #: API server sent nothing until the whole generation ended cannot show a cut, and is retried.
 MID_STREAM_SAMPLES = 10

@@ -16,23 +16,13 @@ header names the process that admitted it.
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, get_text, keep_log, metric, word_ids
-from session_gate.lab.engine.serve import _start, free_port, stop
-from session_gate.lab.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
+from conftest import get_text, metric, served_multi_api, word_ids
 
-NUM_BLOCKS = 128
-BLOCK = 32
-MAX_MODEL_LEN = 4064
 MAX_WAIT = 2.0
 GATE_ENV = {
     "SESSION_GATE_LEASE_TTL_SEC": "10",
@@ -47,31 +37,10 @@ TRIES = 16
 
 @pytest.fixture(scope="module")
 def url():
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-multi-api-"))
-    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
-    port = free_port()
-    args = [
-        sys.executable, "-m", "session_gate.lab.engine.vllm_serve", "--model", model,
-        "--served-model-name", "tiny",
-        "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
-        "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-        "--gpu-memory-utilization", "0.1", "--max-num-seqs", "16",
-        "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--api-server-count", "2", "--middleware", MIDDLEWARE,
-    ]  # fmt: skip
-    env = dict(os.environ, **GATE_ENV, VLLM_PLUGINS="session_gate", HF_HUB_OFFLINE="1")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        proc = _start(args, workdir / "vllm.log", f"{base}/health", SERVE_TIMEOUT, env=env)
-        try:
-            yield base
-        finally:
-            stop(proc)
-    finally:
-        keep_log(workdir / "vllm.log", "multi-api")
-        shutil.rmtree(workdir, ignore_errors=True)
+    with served_multi_api(
+        "multi-api", extra_args=["--middleware", MIDDLEWARE], env=GATE_ENV
+    ) as base:
+        yield base
 
 
 def gated(url: str, session_id: str, prompt: list[int], max_tokens: int = 2) -> httpx.Response:

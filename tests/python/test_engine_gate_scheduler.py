@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from conftest import ROOT, get_text, metric, served_vllm, word_ids
+from conftest import ROOT, gate_stats, get_text, metric, scheduler_settled, served_vllm, word_ids
 from session_gate.engine.metrics_mirror import INTERVAL_SEC
 
 NUM_BLOCKS = 128  # 127 usable
@@ -50,12 +50,6 @@ def url():
         max_model_len=MAX_MODEL_LEN,
     ) as base:
         yield base
-
-
-def gate_stats(url: str) -> dict:
-    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def sched(url: str) -> dict:
@@ -121,19 +115,8 @@ async def eventually(condition, timeout: float = 30.0, what: str = "condition") 
         await asyncio.sleep(0.1)
 
 
-def settled(url: str) -> dict:
-    """The gate's stats once no scheduler lease nor hold is left (turns end asynchronously)."""
-    deadline = time.monotonic() + 30
-    while True:
-        s = gate_stats(url)
-        if s["scheduler"]["leases"] == 0 and s["scheduler"]["holding"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"scheduler leases or holds never ended: {s}"
-        time.sleep(0.1)
-
-
 def test_header_and_body_ids_are_gated_and_requests_without_one_are_not(url):
-    before = settled(url)["scheduler"]
+    before = scheduler_settled(url)["scheduler"]
     asyncio.run(complete(url, 100, extra_headers={"X-Session-ID": "hdr-1"}))
     asyncio.run(complete(url, 200, extra_body={"session_id": "body-1"}))
     mid = sched(url)
@@ -141,7 +124,7 @@ def test_header_and_body_ids_are_gated_and_requests_without_one_are_not(url):
     assert mid["admitted"] == before["admitted"] + 2, mid
     # No id: scheduled as vLLM would, the gate is not asked.
     asyncio.run(complete(url, 300))
-    after = settled(url)
+    after = scheduler_settled(url)
     assert after["scheduler"]["gated"] == mid["gated"], after
     # Each admitted turn's lease was released when vLLM freed its request.
     assert after["engine_gate"]["leases_held"] == 0, after
@@ -153,7 +136,7 @@ def test_header_and_body_ids_are_gated_and_requests_without_one_are_not(url):
 
 
 def test_a_held_request_waits_in_the_queue_and_runs_once_admitted(url):
-    before = settled(url)["scheduler"]
+    before = scheduler_settled(url)["scheduler"]
 
     async def scenario() -> None:
         with Blocker(url) as blocker:
@@ -175,14 +158,14 @@ def test_a_held_request_waits_in_the_queue_and_runs_once_admitted(url):
             assert out.choices[0].text is not None
 
     asyncio.run(scenario())
-    after = settled(url)["scheduler"]
+    after = scheduler_settled(url)["scheduler"]
     assert after["held"] == before["held"] + 1, after
     assert after["admitted"] == before["admitted"] + 1, after
     assert after["max_wait"] == before["max_wait"], f"admitted by max_wait, not release: {after}"
 
 
 def test_a_hold_past_max_wait_is_scheduled_with_reason_max_wait(url):
-    before = settled(url)["scheduler"]
+    before = scheduler_settled(url)["scheduler"]
 
     async def scenario() -> float:
         with Blocker(url):
@@ -197,7 +180,7 @@ def test_a_hold_past_max_wait_is_scheduled_with_reason_max_wait(url):
             return time.monotonic() - started
 
     took = asyncio.run(scenario())
-    after = settled(url)["scheduler"]
+    after = scheduler_settled(url)["scheduler"]
     assert took >= MAX_WAIT - 0.5, f"answered after {took:.1f} s, before max_wait"
     assert after["max_wait"] == before["max_wait"] + 1, after
     assert after["admitted_by_reason"].get("max_wait", 0) == (
@@ -206,7 +189,7 @@ def test_a_hold_past_max_wait_is_scheduled_with_reason_max_wait(url):
 
 
 def test_a_held_request_aborted_by_its_client_leaves_nothing(url):
-    before = settled(url)
+    before = scheduler_settled(url)
 
     async def scenario() -> None:
         with Blocker(url):
@@ -235,7 +218,7 @@ def test_a_held_request_aborted_by_its_client_leaves_nothing(url):
             assert s["engine_gate"]["attempts_pending"] == 0, s
 
     asyncio.run(scenario())
-    after = settled(url)
+    after = scheduler_settled(url)
     assert after["scheduler"]["aborted_while_held"] == (
         before["scheduler"]["aborted_while_held"] + 1
     ), after
@@ -248,7 +231,7 @@ def test_a_held_request_aborted_by_its_client_leaves_nothing(url):
 
 
 def test_bad_session_ids_pass_ungated_and_never_break_the_engine(url):
-    before = settled(url)["scheduler"]
+    before = scheduler_settled(url)["scheduler"]
     long_id = "x" * 10_000
     # Empty ids: vLLM's server drops them (no id, nothing asked of the gate).
     asyncio.run(complete(url, 700, extra_headers={"X-Session-ID": ""}))
@@ -269,7 +252,7 @@ def test_bad_session_ids_pass_ungated_and_never_break_the_engine(url):
         timeout=120,
     )
     assert r.status_code == 200, r.text
-    after = settled(url)
+    after = scheduler_settled(url)
     assert after["scheduler"]["gated"] == before["gated"] + 1, after
     assert after["scheduler"]["errors"] == 0, after
     # The engine core still serves.
@@ -281,7 +264,7 @@ def test_the_scheduler_metrics_show_on_vllms_own_metrics(url):
     engine counts them (one API server: counters stay counters), and every scheduler metric the
     dashboard queries among them."""
     asyncio.run(complete(url, 800, extra_headers={"X-Session-ID": "metrics-1"}))
-    s = settled(url)
+    s = scheduler_settled(url)
     expected = {
         "session_gate_scheduler_gated_total": s["scheduler"]["gated"],
         "session_gate_scheduler_admitted_total": s["scheduler"]["admitted"],

@@ -14,75 +14,28 @@ its own, so a connection of its own: the kernel spreads them over the two proces
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import sys
-import tempfile
 import time
-from pathlib import Path
 
-import httpx
 import pytest
-from conftest import SERVE_TIMEOUT, get_text, keep_log, metric, word_ids
+from conftest import (
+    get_text,
+    metric,
+    scheduler_settled,
+    served_multi_api,
+    word_ids,
+)
 from session_gate.engine.metrics_mirror import INTERVAL_SEC
-from session_gate.lab.engine.serve import _start, free_port, stop
-from session_gate.lab.engine.tiny_tokenizer import write_tiny_model_with_tokenizer
 
-NUM_BLOCKS = 128
-BLOCK = 32
-MAX_MODEL_LEN = 4064
 #: Turns sent: half name their session in the header, half in the body.
 TURNS = 8
 
 
 @pytest.fixture(scope="module")
 def url():
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-scheduler-multi-api-"))
-    model = write_tiny_model_with_tokenizer(str(workdir / "model"))
-    port = free_port()
-    args = [
-        sys.executable, "-m", "session_gate.lab.engine.vllm_serve", "--model", model,
-        "--served-model-name", "tiny",
-        "--load-format", "dummy", "--enforce-eager", "--dtype", "bfloat16",
-        "--block-size", str(BLOCK), "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
-        "--gpu-memory-utilization", "0.1", "--max-num-seqs", "8",
-        "--max-num-batched-tokens", str(MAX_MODEL_LEN), "--seed", "0",
-        "--host", "127.0.0.1", "--port", str(port), "--api-server-count", "2",
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        SESSION_GATE_SCHEDULER="session-id",
-        VLLM_PLUGINS="session_gate",
-        HF_HUB_OFFLINE="1",
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        proc = _start(args, workdir / "vllm.log", f"{base}/health", SERVE_TIMEOUT, env=env)
-        try:
-            yield base
-        finally:
-            stop(proc)
-    finally:
-        keep_log(workdir / "vllm.log", "scheduler-multi-api")
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def gate_stats(url: str) -> dict:
-    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def settled(url: str) -> dict:
-    """The gate's stats once no scheduler lease nor hold is left (turns end asynchronously)."""
-    deadline = time.monotonic() + 30
-    while True:
-        s = gate_stats(url)
-        if s["scheduler"]["leases"] == 0 and s["scheduler"]["holding"] == 0:
-            return s
-        assert time.monotonic() < deadline, f"scheduler leases or holds never ended: {s}"
-        time.sleep(0.1)
+    with served_multi_api(
+        "scheduler-multi-api", env={"SESSION_GATE_SCHEDULER": "session-id"}, max_num_seqs=8
+    ) as base:
+        yield base
 
 
 async def turn(url: str, i: int) -> None:
@@ -118,13 +71,13 @@ def mirrored(url: str, expected: dict[str, float]) -> str:
 
 
 def test_turns_through_both_processes_are_gated_and_counted_once_on_metrics(url):
-    before = settled(url)["scheduler"]
+    before = scheduler_settled(url)["scheduler"]
 
     async def turns() -> None:
         await asyncio.gather(*(turn(url, i) for i in range(TURNS)))
 
     asyncio.run(turns())
-    after = settled(url)
+    after = scheduler_settled(url)
     sched = after["scheduler"]
     assert sched["gated"] == before["gated"] + TURNS, sched
     assert sched["admitted"] == before["admitted"] + TURNS, sched
