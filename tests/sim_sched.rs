@@ -4,48 +4,12 @@
 //! and the inferred sessions follow the true ones.
 use session_gate::gate::GateConfig;
 use session_gate::sim::driver::{
-    ModeSpec, SCHED_MAX_WAIT_SEC, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate,
-    simulate_steps,
+    ModeSpec, SCHED_MAX_WAIT_SEC, SessionSpec, SimOutput, simulate, simulate_steps,
 };
 use session_gate::sim::{CostModel, Replica, ReplicaConfig};
 
 mod common;
-use common::flat_replica as replica;
-
-fn session(
-    id: &str,
-    system: u32,
-    task: u32,
-    arrival: f64,
-    turns: &[(u32, u32, f64)],
-) -> SessionSpec {
-    SessionSpec {
-        session_id: id.into(),
-        system_tokens: system,
-        task_tokens: task,
-        arrival,
-        turns: turns
-            .iter()
-            .map(|&(append, output, tool_latency)| TurnSpec {
-                append,
-                output,
-                tool_latency,
-            })
-            .collect(),
-    }
-}
-
-fn run(sessions: Vec<SessionSpec>, num_blocks: u32, mode: ModeSpec) -> SimOutput {
-    let n = sessions.len();
-    let mut m = mode.build(n).unwrap();
-    simulate(sessions, 7, replica(num_blocks), m.as_mut()).unwrap()
-}
-
-fn of(out: &SimOutput, s: usize) -> Vec<&TurnRecord> {
-    let mut r: Vec<_> = out.records.iter().filter(|r| r.session == s).collect();
-    r.sort_by_key(|r| r.turn);
-    r
-}
+use common::{flat_replica as replica, of, run, session};
 
 fn sched(config: GateConfig) -> ModeSpec {
     ModeSpec::from_kind("sched", 0, config).unwrap()

@@ -1,5 +1,8 @@
 //! Helpers shared by the twin's integration tests: a replica whose every step takes the same
-//! time, so virtual-time expectations are exact.
+//! time, so virtual-time expectations are exact, and sessions run on it.
+#![allow(dead_code)] // each test crate uses some of the helpers
+
+use session_gate::sim::driver::{ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate};
 use session_gate::sim::{CostModel, Replica, ReplicaConfig};
 
 /// Seconds every step of [`flat_replica`] takes, whatever it schedules.
@@ -39,4 +42,42 @@ pub fn flat_replica(num_blocks: u32) -> Replica {
         max_num_batched_tokens: 8192,
     };
     Replica::new(config, flat_cost()).unwrap()
+}
+
+/// A session of `turns` (appended tokens, output tokens, tool latency), arriving at `arrival`.
+pub fn session(
+    id: &str,
+    system: u32,
+    task: u32,
+    arrival: f64,
+    turns: &[(u32, u32, f64)],
+) -> SessionSpec {
+    SessionSpec {
+        session_id: id.into(),
+        system_tokens: system,
+        task_tokens: task,
+        arrival,
+        turns: turns
+            .iter()
+            .map(|&(append, output, tool_latency)| TurnSpec {
+                append,
+                output,
+                tool_latency,
+            })
+            .collect(),
+    }
+}
+
+/// `sessions` through `mode` on a [`flat_replica`] of `num_blocks` blocks (seed 7).
+pub fn run(sessions: Vec<SessionSpec>, num_blocks: u32, mode: ModeSpec) -> SimOutput {
+    let n = sessions.len();
+    let mut m = mode.build(n).unwrap();
+    simulate(sessions, 7, flat_replica(num_blocks), m.as_mut()).unwrap()
+}
+
+/// Session `s`'s turn records, in turn order.
+pub fn of(out: &SimOutput, s: usize) -> Vec<&TurnRecord> {
+    let mut r: Vec<_> = out.records.iter().filter(|r| r.session == s).collect();
+    r.sort_by_key(|r| r.turn);
+    r
 }
