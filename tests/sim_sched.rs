@@ -35,6 +35,10 @@ fn the_modes_are_known_by_name() {
         ModeSpec::from_kind("sched-infer", 0, GateConfig::default()).unwrap(),
         ModeSpec::SchedInfer(_)
     ));
+    assert!(matches!(
+        ModeSpec::from_kind("sched-nofinish", 0, GateConfig::default()).unwrap(),
+        ModeSpec::SchedNoFinish(_)
+    ));
     let err = ModeSpec::from_kind("schedule", 0, GateConfig::default()).unwrap_err();
     assert!(err.to_string().contains("sched-infer"), "{err}");
 }
@@ -104,8 +108,10 @@ fn leases_end_with_their_requests_and_every_turn_is_gated_once() {
     assert_eq!(stats.leases_released, 18);
     assert_eq!(stats.leases_active, 0);
     assert_eq!(stats.pending, 0);
-    // The scheduler sees requests, not sessions: nothing finishes a session in the gate.
-    assert_eq!(stats.sessions_finished, 0);
+    // The scheduler sees requests, not sessions: only the clients' finish calls end them.
+    assert_eq!(stats.sessions_finished, 6);
+    let ids_only = run(sessions.clone(), 40, ModeSpec::SchedNoFinish(GateConfig::default()));
+    assert_eq!(ids_only.gate_stats.unwrap().sessions_finished, 0);
     assert!(out.infer_stats.is_none());
     // Deterministic.
     let again = run(sessions, 40, sched(GateConfig::default()));
@@ -204,25 +210,25 @@ fn cpu_tiny(mode: ModeSpec) -> SimOutput {
 #[test]
 fn sched_makespan_on_the_default_workload_is_close_to_the_gate_once_session_ends_are_known() {
     let gate = cpu_tiny(ModeSpec::Gate(GateConfig::default()));
-    let sched = cpu_tiny(sched(GateConfig::default()));
-    let finishing = cpu_tiny(ModeSpec::SchedFinishing(GateConfig::default()));
+    let finishing = cpu_tiny(ModeSpec::Sched(GateConfig::default()));
+    let nofinish = cpu_tiny(ModeSpec::SchedNoFinish(GateConfig::default()));
     let infer = cpu_tiny(ModeSpec::from_kind("sched-infer", 0, GateConfig::default()).unwrap());
     let ratio = |a: &SimOutput, b: &SimOutput| a.makespan_sec / b.makespan_sec;
     eprintln!(
-        "makespan gate {:.2} s, sched {:.2} s, sched finishing sessions {:.2} s, sched-infer \
-         {:.2} s",
-        gate.makespan_sec, sched.makespan_sec, finishing.makespan_sec, infer.makespan_sec
+        "makespan gate {:.2} s, sched {:.2} s, sched-nofinish {:.2} s, sched-infer {:.2} s",
+        gate.makespan_sec, finishing.makespan_sec, nofinish.makespan_sec, infer.makespan_sec
     );
     // Same gate, inside the scheduler: within a few % when it learns session ends as `gate`
-    // does (finish_session).
+    // does (the finish call).
     let r = ratio(&finishing, &gate);
-    assert!((r - 1.0).abs() < 0.05, "sched finishing / gate = {r:.3}");
-    // The scheduler alone never learns them: ended sessions keep their room until it yields
-    // (twice the usual return gap), so waiters wait longer; never faster than knowing.
-    assert!(sched.makespan_sec >= finishing.makespan_sec);
-    assert_eq!(sched.gate_stats.as_ref().unwrap().sessions_finished, 0);
-    // Inferred sessions follow the true ones, so the gate decides nearly the same.
-    let r = ratio(&infer, &sched);
-    assert!((r - 1.0).abs() < 0.05, "sched-infer / sched = {r:.3}");
+    assert!((r - 1.0).abs() < 0.05, "sched / gate = {r:.3}");
+    assert!(finishing.gate_stats.as_ref().unwrap().sessions_finished > 0);
+    // Ids alone never tell it: ended sessions keep their room until it yields (twice the
+    // usual return gap), so waiters wait longer; never faster than knowing.
+    assert!(nofinish.makespan_sec >= finishing.makespan_sec);
+    assert_eq!(nofinish.gate_stats.as_ref().unwrap().sessions_finished, 0);
+    // Inferred sessions follow the true ones, so the gate decides as with ids alone.
+    let r = ratio(&infer, &nofinish);
+    assert!((r - 1.0).abs() < 0.05, "sched-infer / sched-nofinish = {r:.3}");
     assert!(infer.infer_stats.unwrap().continued_fraction() >= 0.99);
 }

@@ -17,10 +17,13 @@ PLAIN_KINDS = ("none", "seed", "gate")
 #: The controllers users deploy today: prime-rl's adaptive episode concurrency (``aimd``) and
 #: ThunderAgent's tool-boundary pausing (``pause``).
 BASELINE_KINDS = ("aimd", "pause")
-#: The engine gate's scheduler mode, in the twin: the gate inside vLLM's scheduler, keyed by
-#: the session id (``sched``) or by the session inferred from the prompt's blocks
-#: (``sched-infer``).
-SCHED_KINDS = ("sched", "sched-infer")
+#: The engine gate's scheduler mode: the gate inside vLLM's scheduler, keyed by the session id
+#: with each session ended by vllm-router's finish call, as prime-rl and SkyRL send it
+#: (``sched``); by the session id alone, never ended (``sched-nofinish``: a plain client); or
+#: by the session inferred from the prompt's blocks (``sched-infer``: no id at all).
+SCHED_KINDS = ("sched", "sched-infer", "sched-nofinish")
+#: The scheduler modes whose requests name their session.
+NAMED_SCHED_KINDS = ("sched", "sched-nofinish")
 #: What the twin and the real bench compare unless ``--modes`` says otherwise.
 DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
 #: A baseline run with its time constants scaled to the workload's clock (the real bench only:
@@ -45,7 +48,7 @@ class Mode:
     """``kind`` is ``none``, ``cap`` (session-level cap of ``cap`` sessions, held for a session's
     whole life), ``seed`` (the seed's gate, ``pressure="engine"``), ``gate`` (the default),
     ``aimd`` (prime-rl's adaptive episode concurrency), ``pause`` (ThunderAgent's tool-boundary
-    pausing), ``sched`` or ``sched-infer`` (the gate inside the scheduler);
+    pausing), ``sched``, ``sched-infer`` or ``sched-nofinish`` (the gate inside the scheduler);
     ``scaled`` runs a baseline with its time constants scaled to the workload's clock."""
 
     name: str

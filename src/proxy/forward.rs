@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, Full};
@@ -117,6 +117,33 @@ pub async fn finish(
         "replica": replica.url.base,
     }))
     .into_response()
+}
+
+/// The query of vllm-router's `POST /finish_session?session_id=<id>`.
+#[derive(Debug, serde::Deserialize)]
+pub struct FinishQuery {
+    session_id: Option<String>,
+}
+
+/// `POST /finish_session?session_id=<id>`: vllm-router's release call, which prime-rl and SkyRL
+/// send at each episode's end, so that a stack that points its router calls at the proxy
+/// ends its sessions with nothing changed. The same as `/sess/{id}/finish`.
+pub async fn finish_session(
+    State(proxy): State<Arc<Proxy>>,
+    Query(query): Query<FinishQuery>,
+    headers: HeaderMap,
+) -> Response {
+    if let Some(denied) = unauthorized(&proxy, &headers) {
+        return denied;
+    }
+    match query.session_id.filter(|s| !s.is_empty()) {
+        Some(session) => finish(State(proxy), Path(session), headers).await,
+        None => error(
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            "session_id is required (a non-empty query parameter)",
+        ),
+    }
 }
 
 /// `GET /metrics`.

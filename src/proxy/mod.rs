@@ -2,7 +2,8 @@
 //! replicas, with one session gate per replica.
 //!
 //! - Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, the same
-//!   under `/sess/{session_id}/v1/...`, `POST /sess/{session_id}/finish`, `GET /metrics`,
+//!   under `/sess/{session_id}/v1/...`, `POST /sess/{session_id}/finish` (and vllm-router's
+//!   `POST /finish_session?session_id=`, which prime-rl and SkyRL send), `GET /metrics`,
 //!   `GET /health`. The session id comes from the path or the session header (default
 //!   `x-session-id`); requests without one pass through ungated.
 //! - Sticky routing per session ([`replicas`]); a replica failing health checks is skipped and
@@ -78,6 +79,7 @@ impl Proxy {
             .route("/v1/{*rest}", any(forward::v1))
             .route("/sess/{session_id}/v1/{*rest}", any(forward::sess_v1))
             .route("/sess/{session_id}/finish", post(forward::finish))
+            .route("/finish_session", post(forward::finish_session))
             .route("/metrics", get(forward::metrics))
             .route("/health", get(forward::health))
             .layer(DefaultBodyLimit::max(self.config.max_body_bytes))

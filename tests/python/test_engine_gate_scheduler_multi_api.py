@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 from conftest import (
     get_text,
@@ -101,3 +102,34 @@ def test_turns_through_both_processes_are_gated_and_counted_once_on_metrics(url)
         assert metric(text, "session_gate_scheduler_admitted_total", reason=reason) == n
     # vLLM's own numbers are on the same page, and nothing is left running.
     assert metric(text, "vllm:num_requests_running") == 0
+
+
+def test_vllm_routers_finish_session_call_ends_a_scheduler_session_in_either_process(url):
+    """prime-rl ends each episode with vllm-router's ``POST /finish_session?session_id=``; sent
+    straight to ``vllm serve`` it ends the session's idle room in the engine gate, whichever
+    API-server process takes it, once (ending again answers false)."""
+    session = "multi-finish"
+    where = {"extra_headers": {"X-Session-ID": session}}
+
+    async def one_turn() -> None:
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120
+        ) as client:
+            await client.completions.create(
+                model="tiny", prompt=word_ids(7000, 40), max_tokens=4, **where
+            )
+
+    asyncio.run(one_turn())
+    assert scheduler_settled(url)["reservations_idle"] >= 1
+    answers = []
+    for _ in range(4):  # fresh connections: the kernel spreads them over both processes
+        r = httpx.post(f"{url}/finish_session", params={"session_id": session}, timeout=60)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["finished"])
+    # The first call ended the room the turn left; the others found nothing to end.
+    assert answers == [True, False, False, False], answers
+    # No id is a clear 400, never an engine error.
+    r = httpx.post(f"{url}/finish_session", timeout=60)
+    assert r.status_code == 400 and "session_id" in r.text, r.text

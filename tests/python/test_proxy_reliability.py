@@ -97,6 +97,7 @@ PLUGIN_ROUTES = [
     ("/session_gate/v1/stats", b"{}"),
     ("/session_gate/v1/finish", json.dumps({"session_id": "s"}).encode()),
     ("/session_gate/v1/renew", json.dumps({"client_id": "c"}).encode()),
+    ("/finish_session?session_id=s", b""),
 ]
 
 
@@ -143,6 +144,16 @@ def test_proxy_keys_pass_through_and_body_limit(server, gate_at):
         assert call(turn, body, f"Bearer {PROXY_KEY}") == (401, {"error": "Unauthorized"})
         status, answer = call(finish, b"", f"Bearer {PROXY_KEY}", method="POST")
         assert status == 200 and answer["session_id"] == "s1"
+        # vllm-router's release call, as prime-rl sends it: the same, under the proxy's key.
+        status, answer = call(f"{proxy_url}/sess/s2/v1/completions", body, f"Bearer {KEY}")
+        assert status == 200, answer
+        router_finish = f"{proxy_url}/finish_session?session_id=s2"
+        assert call(router_finish, b"", method="POST")[0] == 401
+        status, answer = call(router_finish, b"", f"Bearer {PROXY_KEY}", method="POST")
+        assert status == 200 and answer["session_id"] == "s2", answer
+        assert answer["finished"] is True and "replica" in answer, answer
+        status, answer = call(f"{proxy_url}/finish_session", b"", f"Bearer {PROXY_KEY}", "POST")
+        assert status == 400 and "session_id" in answer["error"]["message"], answer
         # Over the body limit: 413 naming the flag, before anything is forwarded.
         big = json.dumps({"model": "tiny", "prompt": "x" * 200_000}).encode()
         status, answer = call(turn, big, f"Bearer {KEY}")

@@ -1,5 +1,5 @@
 """vLLM's ``--api-key`` on the session_gate routes (``/session_gate/v1/*``: the probes of
-``http_routes`` and the engine gate's ``gate_routes``).
+``http_routes`` and the engine gate's ``gate_routes``, and its ``/finish_session``).
 
 vLLM guards only its own prefixes (``/v1``, ...) with its ``AuthenticationMiddleware``; the
 plugin's routes live under ``/session_gate`` and would be open. This middleware applies the same
@@ -55,17 +55,18 @@ def verify(headers: Headers, digests: list[bytes]) -> bool:
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI middleware guarding ``prefix`` with the server's API keys."""
+    """Pure ASGI middleware guarding the paths that start with one of ``prefixes`` with the
+    server's API keys."""
 
-    def __init__(self, app: Any, prefix: str) -> None:
+    def __init__(self, app: Any, prefixes: tuple[str, ...]) -> None:
         self.app = app
-        self.prefix = prefix
+        self.prefixes = prefixes
 
     def __call__(self, scope: Any, receive: Any, send: Any) -> Any:
         if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
             return self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if path.startswith(self.prefix):
+        if path.startswith(self.prefixes):
             # Read per request: the keys are set in the plugin's init_state, after the app's
             # middleware stack was built.
             app = scope.get("app")

@@ -15,6 +15,11 @@ plugin beside the probe routes, ``http_routes``). All POST, all JSON; errors in 
 ``/session_gate/v1/renew``    ``{"client_id": c}`` → ``{"lease_ttl_sec", "leases", "pending"}``
 ``/session_gate/v1/stats``    the gate's counters; ``?format=prometheus`` for text;
                               ``?format=inferred``: the scheduler mode's recent inferences.
+``/finish_session?session_id=s``  ``/session_gate/v1/finish`` in the fleet routers' convention:
+    vllm-router's ``POST /finish_session?session_id=<id>`` (empty body), which prime-rl and SkyRL
+    send at each episode's end. A client pointed straight at ``vllm serve`` (no router) thus
+    ends its sessions in the engine gate, scheduler mode included, with nothing changed.
+    → 200 ``{"finished": bool}`` (false: the gate held nothing for it; ending is idempotent).
 
 Leases and clients: a lease belongs to its ``client_id``; the engine frees it when that client
 has not called for ``lease_ttl_sec`` (``SESSION_GATE_LEASE_TTL_SEC``). ``HttpGate`` sends a
@@ -204,6 +209,27 @@ async def stats(request: Request) -> Response:
         return err.response()
 
 
+#: vllm-router's session-release route (its ``/finish_session``), served as the engine gate's
+#: ``finish``.
+FINISH_SESSION_PATH = "/finish_session"
+
+
+async def finish_session(request: Request) -> Response:
+    """vllm-router's ``POST /finish_session?session_id=<id>``; a JSON body's ``session_id`` is
+    read when the query names none."""
+    try:
+        routes = _routes(request)
+        session_id = request.query_params.get("session_id")
+        if session_id is None:
+            session_id = (await _json_body(request, required=False)).get("session_id")
+        if not isinstance(session_id, str) or not session_id:
+            raise ProbeError(400, "session_id is required (a non-empty query parameter)")
+        finished = await routes.call("session_gate_finish", session_id)
+        return JSONResponse({"finished": finished})
+    except ProbeError as err:
+        return err.response()
+
+
 def _json_safe(value: Any) -> Any:
     """JSON has no infinity: the histograms' last bucket bound becomes "+Inf" (Prometheus's
     spelling)."""
@@ -236,3 +262,4 @@ def attach(router: APIRouter) -> None:
         methods=["POST"],
     )
     router.add_api_route(f"{PREFIX}/stats", stats, methods=["GET", "POST"])
+    router.add_api_route(FINISH_SESSION_PATH, finish_session, methods=["POST"])

@@ -305,7 +305,9 @@ class SessionGateEndpoints:
 
         gate_routes.attach(router)
         app.include_router(router)
-        app.add_middleware(auth.ApiKeyMiddleware, prefix="/session_gate/")
+        app.add_middleware(
+            auth.ApiKeyMiddleware, prefixes=("/session_gate/", gate_routes.FINISH_SESSION_PATH)
+        )
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         auth.set_keys(state, auth.server_api_keys(args))

@@ -50,7 +50,7 @@ def add_common(
         default=["cpu-tiny"],
         help="built-in profile names or profile TOML files (default cpu-tiny)",
     )
-    knobs = p.add_argument_group("gate knobs (seed, gate, sched and sched-infer modes)")
+    knobs = p.add_argument_group("gate knobs (seed, gate and the sched modes)")
     for name in knob_names():
         knobs.add_argument(
             f"--{name.replace('_', '-')}", dest=f"knob_{name}", type=_knob_value, default=None

@@ -206,19 +206,21 @@ pub enum ModeSpec {
     /// ThunderAgent's tool-boundary pausing (`crate::baselines::pause`).
     Pause(PauseConfig),
     /// The engine gate's scheduler mode: the gate core inside the replica's scheduler, keyed
-    /// by the session id (`max_wait_sec` defaults to `SCHED_MAX_WAIT_SEC`).
+    /// by the session id (`max_wait_sec` defaults to `SCHED_MAX_WAIT_SEC`); each client ends
+    /// its session with a finish call (vllm-router's `POST /finish_session?session_id=`, which
+    /// prime-rl and SkyRL send), as the bench's real `sched` clients do.
     Sched(GateConfig),
-    /// [`ModeSpec::Sched`] keyed by the session the gate infers from the prompt's blocks.
+    /// [`ModeSpec::Sched`] keyed by the session the gate infers from the prompt's blocks (its
+    /// clients name nothing, so they end nothing either).
     SchedInfer(GateConfig),
-    /// [`ModeSpec::Sched`] whose clients also tell the gate when a session ends (the engine
-    /// gate's `finish` route). Not a bench mode (no name in [`ModeSpec::from_kind`]): it
-    /// measures what the scheduler's not knowing session ends costs.
-    SchedFinishing(GateConfig),
+    /// [`ModeSpec::Sched`] whose clients never say that a session ended (a plain client with
+    /// ids only): a session's last room is left to the core's idle rules.
+    SchedNoFinish(GateConfig),
 }
 
 impl ModeSpec {
     /// The mode of kind `kind` (`none`, `cap`, `seed`, `gate`, `aimd`, `pause`, `sched`,
-    /// `sched-infer`), with `cap` sessions for `cap` and the gate knobs `config` for the gates
+    /// `sched-infer`, `sched-nofinish`), with `cap` sessions for `cap` and the gate knobs `config` for the gates
     /// (`seed` forces `pressure = "engine"`).
     pub fn from_kind(kind: &str, cap: u32, config: GateConfig) -> Result<Self> {
         Ok(match kind {
@@ -234,10 +236,11 @@ impl ModeSpec {
             "pause" => Self::Pause(PauseConfig::default()),
             "sched" => Self::Sched(config),
             "sched-infer" => Self::SchedInfer(config),
+            "sched-nofinish" => Self::SchedNoFinish(config),
             other => {
                 return Err(Error::InvalidInput(format!(
                     "unknown mode kind `{other}` (expected none, cap, seed, gate, aimd, pause, \
-                     sched or sched-infer)"
+                     sched, sched-infer or sched-nofinish)"
                 )));
             }
         })
@@ -251,9 +254,9 @@ impl ModeSpec {
             Self::Seed(c) | Self::Gate(c) => Box::new(GateMode::new(c.clone(), sessions)?),
             Self::Aimd(c) => Box::new(AimdMode::new(c.clone())?),
             Self::Pause(c) => Box::new(PauseMode::new(c.clone())?),
-            Self::Sched(c) => Box::new(SchedMode::new(c.clone(), sessions, false, false)?),
+            Self::Sched(c) => Box::new(SchedMode::new(c.clone(), sessions, false, true)?),
             Self::SchedInfer(c) => Box::new(SchedMode::new(c.clone(), sessions, true, false)?),
-            Self::SchedFinishing(c) => Box::new(SchedMode::new(c.clone(), sessions, false, true)?),
+            Self::SchedNoFinish(c) => Box::new(SchedMode::new(c.clone(), sessions, false, false)?),
         })
     }
 }

@@ -17,10 +17,11 @@
 //!   already due (`until <= now`: the core's head waiting on a grace end or a yield that is due
 //!   but did not let it in) is polled again one fixed step cost later, not at the same instant.
 //! - The lease is released when the replica finishes the request. The scheduler sees requests,
-//!   not sessions, so nothing calls `finish_session`: a session's last turn leaves its room to
-//!   the core's own grace rules (it yields once idle twice the usual return gap), as in
-//!   production. [`ModeSpec::SchedFinishing`](super::ModeSpec::SchedFinishing) has its clients
-//!   call it (the engine gate's `finish` route) to measure what that costs.
+//!   not sessions: in `sched` each client ends its session with a finish call after its last
+//!   turn (vllm-router's `POST /finish_session?session_id=`, which prime-rl and SkyRL already
+//!   send, served by the plugin as the engine gate's `finish`). In `sched-nofinish` (ids only)
+//!   and `sched-infer` nobody does, and a session's last room is left to the core's own idle
+//!   rules (it yields once idle twice the usual return gap), as in production.
 //! - `max_wait_sec` bounds every hold: [`SCHED_MAX_WAIT_SEC`] unless the config sets one.
 //!
 //! `sched-infer` keys the gate by the session [`SessionInference`] infers from the request's

@@ -110,7 +110,7 @@ async def run(args: argparse.Namespace, results: list[Any] | None = None) -> dic
 
 
 #: The engine setting each scheduler mode needs.
-SCHEDULER_SETTINGS = {"sched": "session-id", "sched-infer": "infer"}
+SCHEDULER_SETTINGS = {"sched": "session-id", "sched-nofinish": "session-id", "sched-infer": "infer"}
 
 
 @contextlib.contextmanager

@@ -7,7 +7,9 @@ owns the whole cache), ``engine-gate`` (``HttpGate``: the one gate in the engine
 ``middleware`` (a plain client: each request carries only an ``x-session-id`` header, the engine's
 middleware gates it, and nobody ever finishes a session), ``sched`` (the same plain client against
 an engine started with ``SESSION_GATE_SCHEDULER=session-id`` and no middleware: vLLM's scheduler
-asks the gate; a server of its own), ``sched-infer`` (a client that names nothing at all against
+asks the gate; a server of its own; at each episode's end the client sends vllm-router's
+``POST /finish_session?session_id=``, as prime-rl does), ``sched-nofinish`` (``sched`` without that
+call: ids only), ``sched-infer`` (a client that names nothing at all against
 an engine started with ``SESSION_GATE_SCHEDULER=infer``: the gate infers each turn's session from
 its blocks; a server of its own, and the inference is audited against the truth: each request
 carries vLLM's standard ``X-Request-Id``, which the gate does not read, and the engine's list of
@@ -48,14 +50,23 @@ from session_gate.modes import Mode
 from session_gate.results import ModeResult, TurnRecord
 from session_gate.workloads import WORKLOADS
 
-MODES = ("gate", "engine-gate", "middleware", "sched", "sched-infer", "none", "gate@1")
+MODES = (
+    "gate",
+    "engine-gate",
+    "middleware",
+    "sched",
+    "sched-nofinish",
+    "sched-infer",
+    "none",
+    "gate@1",
+)
 #: Modes that need the engine started in the gate's scheduler mode (a server of their own), and
 #: the ``SESSION_GATE_SCHEDULER`` setting each needs.
-SCHEDULER_MODES = {"sched": "session-id", "sched-infer": "infer"}
+SCHEDULER_MODES = {"sched": "session-id", "sched-nofinish": "session-id", "sched-infer": "infer"}
 #: Modes with no admission in the client.
-PLAIN_MODES = ("middleware", "sched", "sched-infer")
+PLAIN_MODES = ("middleware", "sched", "sched-nofinish", "sched-infer")
 #: Plain modes whose client names each turn's session (an ``x-session-id`` header).
-NAMED_MODES = ("middleware", "sched")
+NAMED_MODES = ("middleware", "sched", "sched-nofinish")
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 
@@ -102,6 +113,13 @@ class _HttpEngine:
         out = r.json()
         details = out["usage"].get("prompt_tokens_details") or {}
         return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
+
+    async def finish(self, session_id: str) -> None:
+        """Ends a session the way prime-rl ends an episode at its router: vllm-router's
+        ``POST /finish_session?session_id=<id>``, which the plugin serves on ``vllm serve``."""
+        tagged = f"{session_id}@{self.run}"
+        r = await self.http.post(f"{self.url}/finish_session", params={"session_id": tagged})
+        r.raise_for_status()
 
 
 def _admission(mode: str, url: str) -> Admission:
@@ -156,6 +174,7 @@ def _client(
             only=set(only),
             admission=admission,
             generate=engine.generate,
+            finish=engine.finish if mode == "sched" else None,
         )
         if hasattr(admission.gate, "aclose"):
             await admission.gate.aclose()

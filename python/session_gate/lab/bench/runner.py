@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from session_gate.lab.bench.admission import Admission, EpisodeCancelled
 from session_gate.lab.engine.launch import agenerate
-from session_gate.modes import SCHED_KINDS, Mode
+from session_gate.modes import NAMED_SCHED_KINDS, SCHED_KINDS, Mode
 from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import SessionSpec, Workload
 
@@ -48,16 +49,21 @@ async def run_mode(
     only: Any = None,
     admission: Any = None,
     generate: Any = agenerate,
+    finish: Callable[[str], Awaitable[Any]] | None = None,
 ) -> ModeResult:
     """Run every session of ``workload`` concurrently through ``mode``; the prefix cache is
     reset first so every mode starts cold. ``knobs`` override a baseline's defaults.
 
     For one of several client processes (``bench.clients``): ``only`` picks the session
     indices this process drives, ``admission`` replaces the mode's own (the caller reset the
-    cache and closes it), ``generate`` sends a turn (``agenerate``'s signature)."""
+    cache and closes it), ``generate`` sends a turn (``agenerate``'s signature), ``finish``
+    ends each session after its last turn (in mode ``sched`` by default: the engine gate's
+    ``session_gate_finish`` on ``llm``, what vllm-router's ``/finish_session`` reaches over
+    HTTP)."""
     own = admission is None
     # The scheduler modes: no admission in the client, the engine's scheduler gates (its engine
-    # was started with SESSION_GATE_SCHEDULER); `sched` names each turn's session to vLLM.
+    # was started with SESSION_GATE_SCHEDULER); `sched` and `sched-nofinish` name each turn's
+    # session to vLLM, and `sched` ends each session when its episode is over.
     in_scheduler = mode.kind in SCHED_KINDS
     if admission is None:
         await llm.reset_prefix_cache()
@@ -71,6 +77,14 @@ async def run_mode(
     #: Tags this run's session ids, so an engine that ran the mode before holds none of them.
     run = f"{mode.name}-{time.monotonic_ns()}"
     lost = {"turns": 0, "tokens": 0, "cancellations": 0}
+    end_session = finish
+    if mode.kind == "sched" and end_session is None:
+
+        async def finish_in_engine(session_id: str) -> Any:
+            tagged = f"{session_id}@{run}"
+            return await llm.engine_core.call_utility_async("session_gate_finish", tagged)
+
+        end_session = finish_in_engine
 
     async def run_session(index: int, spec: SessionSpec) -> None:
         if spec.arrival > 0:
@@ -106,7 +120,7 @@ async def run_mode(
                 started = time.perf_counter()
                 async with admission.turn(spec.session_id, history, turn.output) as (reason, wait):
                     rid = f"{mode.name}-{spec.session_id}-{t}.{attempt}"
-                    if mode.kind == "sched":
+                    if mode.kind in NAMED_SCHED_KINDS:
                         output, cached = await generate(
                             llm, history, turn.output, rid, session_id=f"{spec.session_id}@{run}"
                         )
@@ -129,6 +143,9 @@ async def run_mode(
                 history += output
                 prev_sequence = len(history)
                 await asyncio.sleep(turn.tool_latency)
+            if end_session is not None:
+                # The episode is over: the client says so, as prime-rl does to its router.
+                await end_session(spec.session_id)
 
     started = time.perf_counter()
     mine = [(i, s) for i, s in enumerate(workload.sessions) if only is None or i in only]
