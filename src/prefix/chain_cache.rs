@@ -230,6 +230,16 @@ impl<W> ChainCache<W> {
         Some(self.sessions.get(session)?.chain.hashes(stride))
     }
 
+    /// Block `i`'s hash in `session`'s cached chain, if the chain reaches it. Right after a walk
+    /// of a prompt the chain holds that prompt's leading hashes (the blocks it shares with the
+    /// remembered chain, plus every block the walk hashed). Does not count as a use of the
+    /// session (the LRU order is unchanged).
+    pub fn hash_at(&self, session: &str, i: usize) -> Option<BlockHash> {
+        let stride = self.config?.algo.digest_len();
+        let chain = &self.sessions.get(session)?.chain;
+        (i < chain.len()).then(|| chain.hash(i, stride))
+    }
+
     /// Forgets everything if the chains were hashed under another configuration.
     fn configure(&mut self, config: ChainConfig) {
         if self.config != Some(config) {

@@ -101,6 +101,8 @@ def native_book(
         walk,
         arm,
         Future,
+        # The host tier's capacity and use join every usage read, when the engine has one.
+        tier_usage=state.tier_usage if getattr(state, "tier", None) is not None else None,
     )
 
 
