@@ -97,10 +97,12 @@ bench-stream: setup
 	$(PY) -m session_gate.lab.bench.stream --workload default --modes none,stream,stream-cap4
 
 # Where a block hash's time goes (bytes hashed per block, serialisation, SHA-256, its compression
-# function: the floor), then the probes on vLLM's real block pools; the last line is JSON.
+# function: the floor), then the probes on vLLM's real block pools, then the tiered probe (host
+# KV tier read) beside the GPU-only probe on the same prompt; each part's last line is JSON.
 bench-probe: setup
 	cargo run --release --quiet --example hash_speed
 	$(PY) -m session_gate.lab.engine.bench_probe
+	$(PY) -m session_gate.lab.engine.bench_probe_tier
 
 bench-gate: setup
 	cargo run --release --quiet --example bench_gate

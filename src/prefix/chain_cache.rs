@@ -230,14 +230,29 @@ impl<W> ChainCache<W> {
         Some(self.sessions.get(session)?.chain.hashes(stride))
     }
 
-    /// Block `i`'s hash in `session`'s cached chain, if the chain reaches it. Right after a walk
-    /// of a prompt the chain holds that prompt's leading hashes (the blocks it shares with the
-    /// remembered chain, plus every block the walk hashed). Does not count as a use of the
-    /// session (the LRU order is unchanged).
-    pub fn hash_at(&self, session: &str, i: usize) -> Option<BlockHash> {
-        let stride = self.config?.algo.digest_len();
-        let chain = &self.sessions.get(session)?.chain;
-        (i < chain.len()).then(|| chain.hash(i, stride))
+    /// Appends to `out` the hashes of blocks `from..to` of `tokens` that `session`'s cached
+    /// chain holds, and returns how many: consecutive blocks from `from` whose stored tokens
+    /// are `tokens`' own (a chain keeps an older prompt's tail after a miss inside the shared
+    /// prefix, and that tail is not this prompt's). The caller vouches that the chain's blocks
+    /// before `from` are `tokens`' (right after a walk of `tokens`, every block up to its hit
+    /// is). Does not count as a use of the session (the LRU order is unchanged).
+    pub fn copy_hashes(
+        &self,
+        session: &str,
+        tokens: &[u32],
+        from: usize,
+        to: usize,
+        out: &mut Vec<BlockHash>,
+    ) -> usize {
+        let (Some(config), Some(entry)) = (self.config, self.sessions.get(session)) else {
+            return 0;
+        };
+        let stride = config.algo.digest_len();
+        let n = entry
+            .chain
+            .matching_blocks(tokens, config.block_size, from, to);
+        out.extend((from..from + n).map(|i| entry.chain.hash(i, stride)));
+        n
     }
 
     /// Forgets everything if the chains were hashed under another configuration.

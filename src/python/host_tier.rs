@@ -68,17 +68,44 @@ impl TierWalk<'_, '_> {
             return Ok(TierHit::default());
         }
         let first_chunk = hit_tokens / tokens_per_chunk;
+        let start = first_chunk * per_chunk;
+        let end = num_chunks * per_chunk;
+        // The session's chain (just walked by the GPU probe) holds every block up to the GPU
+        // hit and often more: copy what it has from the block before the first chunk on, and
+        // hash the rest. Without a chain, hash from block 0.
+        let base = start.saturating_sub(1);
+        let mut known = Vec::new();
+        if let Some(session) = self.session_id {
+            self.chains
+                .copy_hashes(session, tokens, base, end, &mut known);
+        }
         let mut hashed = 0;
-        // The hash of the block before the first chunk: the chain's, or hashed from block 0.
         let mut parent: Option<BlockHash> = None;
-        for b in 0..first_chunk * per_chunk {
-            parent = Some(self.block_hash(tokens, b, parent.as_ref(), &mut hashed));
+        if start > 0 {
+            parent = match known.first() {
+                Some(h) => Some(*h),
+                None => {
+                    let mut p = None;
+                    for b in 0..start {
+                        p = Some(self.hash(tokens, b, p.as_ref()));
+                    }
+                    hashed += start;
+                    p
+                }
+            };
         }
         let mut loaded_chunks = 0;
-        let mut block = first_chunk * per_chunk;
+        let mut block = start;
         'chunks: for _ in first_chunk..num_chunks {
             for _ in 0..per_chunk {
-                parent = Some(self.block_hash(tokens, block, parent.as_ref(), &mut hashed));
+                let h = match known.get(block - base) {
+                    Some(h) => *h,
+                    None => {
+                        hashed += 1;
+                        self.hash(tokens, block, parent.as_ref())
+                    }
+                };
+                parent = Some(h);
                 block += 1;
             }
             let last = parent.as_ref().expect("a chunk has at least one block");
@@ -99,19 +126,8 @@ impl TierWalk<'_, '_> {
         })
     }
 
-    /// Block `b`'s hash: from the session's chain when it reaches that far, else hashed from
-    /// `parent` (block `b - 1`'s hash).
-    fn block_hash(
-        &mut self,
-        tokens: &[u32],
-        b: usize,
-        parent: Option<&BlockHash>,
-        hashed: &mut usize,
-    ) -> BlockHash {
-        if let Some(h) = self.session_id.and_then(|s| self.chains.hash_at(s, b)) {
-            return h;
-        }
-        *hashed += 1;
+    /// Block `b`'s hash, chained to `parent` (block `b - 1`'s hash).
+    fn hash(&mut self, tokens: &[u32], b: usize, parent: Option<&BlockHash>) -> BlockHash {
         let bs = self.block_size;
         self.hasher
             .hash_block(parent, &tokens[b * bs..(b + 1) * bs])

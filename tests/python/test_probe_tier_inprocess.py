@@ -217,3 +217,19 @@ def test_an_unreadable_policy_or_geometry_is_named():
 
     driver.manager._policy = ARCCachePolicy(cache_capacity=8)
     assert "ARCCachePolicy keeps no single dict of chunks" in of_connector(driver.connector, BLOCK)[1]
+
+
+def test_a_remembered_chain_of_another_prompt_is_not_trusted_past_the_shared_prefix(tiered):
+    """A session's chain keeps an older prompt's tail after a GPU miss inside the shared prefix;
+    the tier walk uses the chain's hashes only while its stored tokens are this prompt's."""
+    driver, state = tiered
+    rng = random.Random(10)
+    older = random_prompt(rng, 20 * BLOCK + 1)
+    driver.run(older)
+    evict_from_gpu(driver, state, rng, "s", older, below=1)
+    assert assert_matches_vllm(driver, state, "s", older)["offloaded_tokens"] == 20 * BLOCK
+    # The same session now sends a prompt that shares 5 blocks with the older one; its tail was
+    # never run, so only those 5 blocks are in the tier (the older prompt's 20 still are).
+    newer = older[: 5 * BLOCK] + random_prompt(rng, 12 * BLOCK + 1)
+    answer = assert_matches_vllm(driver, state, "s", newer)
+    assert (answer["hit_tokens"], answer["offloaded_tokens"]) == (0, 5 * BLOCK)
