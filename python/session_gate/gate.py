@@ -93,7 +93,8 @@ class Lease:
     @property
     def reason(self) -> str:
         """Why it was admitted: ``open``, ``reserved_session``, ``prefix_probe_unavailable``,
-        ``resident_prefix`` or ``max_wait``."""
+        ``resident_prefix``, ``max_wait`` or ``offloaded_prefix`` (the prefix is back from the
+        host KV tier at its reload cost)."""
         return self._admit.reason
 
     @property

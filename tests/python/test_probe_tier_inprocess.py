@@ -102,7 +102,9 @@ def test_chunks_of_several_blocks_and_one_off_probes():
     driver = TieredDriver(gpu_blocks=64, block_size=BLOCK, tier_chunks=128, blocks_per_chunk=4)
     state = tiered_state(driver)
     rng = random.Random(4)
-    prompts = [random_prompt(rng, rng.randrange(5, 40) * BLOCK + rng.randrange(BLOCK)) for _ in range(6)]
+    prompts = [
+        random_prompt(rng, rng.randrange(5, 40) * BLOCK + rng.randrange(BLOCK)) for _ in range(6)
+    ]
     for step in range(60):
         p = prompts[step % len(prompts)]
         session = None if step % 3 == 0 else f"s{step % len(prompts)}"
@@ -119,7 +121,7 @@ def test_random_traffic_matches_vllm_on_every_probe(tiered):
     rng = random.Random(5)
     prompts = {f"s{i}": random_prompt(rng, rng.randrange(2, 20) * BLOCK + 3) for i in range(8)}
     offloaded = 0
-    for step in range(200):
+    for _ in range(200):
         session = rng.choice(sorted(prompts))
         tokens = prompts[session]
         if rng.random() < 0.6:
@@ -216,7 +218,9 @@ def test_an_unreadable_policy_or_geometry_is_named():
     from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy
 
     driver.manager._policy = ARCCachePolicy(cache_capacity=8)
-    assert "ARCCachePolicy keeps no single dict of chunks" in of_connector(driver.connector, BLOCK)[1]
+    assert (
+        "ARCCachePolicy keeps no single dict of chunks" in of_connector(driver.connector, BLOCK)[1]
+    )
 
 
 def test_a_remembered_chain_of_another_prompt_is_not_trusted_past_the_shared_prefix(tiered):
@@ -233,3 +237,52 @@ def test_a_remembered_chain_of_another_prompt_is_not_trusted_past_the_shared_pre
     newer = older[: 5 * BLOCK] + random_prompt(rng, 12 * BLOCK + 1)
     answer = assert_matches_vllm(driver, state, "s", newer)
     assert (answer["hit_tokens"], answer["offloaded_tokens"]) == (0, 5 * BLOCK)
+
+
+def test_the_engine_gate_reports_the_tier_and_reads_it_on_admits(tiered):
+    """The engine gate over a tiered engine: its stats and Prometheus text carry the tier's
+    capacity and use (the dashboard's host-tier panel), and admits (usage with the tier's
+    figures, the tiered prefix probe under pressure) run through."""
+    import re
+    from pathlib import Path
+
+    from session_gate.engine.gate_driver import EngineGateDriver
+    from session_gate.engine.gate_methods import _Probes
+    from session_gate.engine.methods import _load_native
+
+    driver, state = tiered
+    rng = random.Random(11)
+    driver.run(random_prompt(rng, 9 * BLOCK + 1))
+    native, _ = _load_native()
+    # A watermark of 0 puts every admit under pressure: each one asks the prefix probe.
+    config = native.GateConfig(high_watermark=0.01)
+    gate = EngineGateDriver(object(), _Probes(state), native, config, 30.0)
+    first = gate.admit("s0", random_prompt(rng, 5 * BLOCK), 16, False, "t0", "c")
+    assert first["status"] == "admitted", first
+    # The next is cold under pressure: the tiered prefix probe answers, and it waits.
+    gate.admit("s1", random_prompt(rng, 5 * BLOCK), 16, False, "t1", "c")
+    probes = gate.stats()["probes"]
+    assert probes["prefix"]["count"] == 1 and probes["prefix"]["failures"] == 0, probes
+    assert probes["usage"]["failures"] == 0, probes
+    tier = gate.stats()["host_tier"]
+    assert tier == {"num_blocks": 512, "used_blocks": 9, "unavailable": None}
+    text = gate.prometheus()
+    assert "session_gate_offload_blocks 512\n" in text
+    assert "session_gate_offload_used_blocks 9\n" in text
+    assert 'session_gate_admissions_total{reason="offloaded_prefix"} 0' in text
+    dashboard = (
+        Path(__file__).resolve().parents[2] / "dashboards" / "session-gate.json"
+    ).read_text()
+    for name in ("session_gate_offload_blocks", "session_gate_offload_used_blocks"):
+        assert re.search(rf"\b{name}\b", dashboard), name
+    assert 'reason=\\"offloaded_prefix\\"' in dashboard
+    # Without a tier: no series, and the stats say why.
+    plain = EngineGateDriver(
+        object(),
+        _Probes(engine_state(make_kv_cache_manager(32, BLOCK), vocab_size=4096)),
+        native,
+        config,
+        30.0,
+    )
+    assert "session_gate_offload_blocks" not in plain.prometheus()
+    assert "no KV connector" in plain.stats()["host_tier"]["unavailable"]

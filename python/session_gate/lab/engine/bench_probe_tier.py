@@ -100,9 +100,7 @@ def main() -> None:
     }
     print("SIMULATED tier (vLLM's own connector and manager, in-process; no KV moves)")
     print(f"{'case':<18}{'gpu-only us':>14}{'tiered us':>12}{'ratio':>8}")
-    print(
-        f"{'gpu_resident':<18}{gpu_us:>14.1f}{tiered_us:>12.1f}{tiered_us / gpu_us:>8.2f}"
-    )
+    print(f"{'gpu_resident':<18}{gpu_us:>14.1f}{tiered_us:>12.1f}{tiered_us / gpu_us:>8.2f}")
     print(
         f"{'in_tier':<18}{gpu_us:>14.1f}{tier_us:>12.1f}{tier_us / gpu_us:>8.2f}"
         "   (gpu-only column: the same prompt while resident)"
