@@ -183,3 +183,24 @@ impl Probe for HttpProbe {
         Box::pin(self.forget_impl(session_id))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn host_tier_fields_read_ints_and_unavailable_and_old_answers() {
+        let v = json!({"offloaded_tokens": 4096, "offload_num_blocks": "unavailable",
+                       "offload_used_blocks": null});
+        assert_eq!(tier_field(&v, "offloaded_tokens").unwrap(), Some(4096));
+        assert_eq!(tier_field(&v, "offload_num_blocks").unwrap(), None);
+        assert_eq!(tier_field(&v, "offload_used_blocks").unwrap(), None);
+        // An engine that predates the tier sends no key at all.
+        assert_eq!(tier_field(&json!({}), "offloaded_tokens").unwrap(), None);
+        for bad in [json!({"offloaded_tokens": "lots"}), json!({"offloaded_tokens": -1})] {
+            let err = tier_field(&bad, "offloaded_tokens").unwrap_err().to_string();
+            assert!(err.contains("offloaded_tokens"), "{err}");
+        }
+    }
+}
