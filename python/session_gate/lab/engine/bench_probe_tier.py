@@ -4,8 +4,8 @@ One in-process GPU cache (a real ``KVCacheManager``, 4,096 blocks of 16 tokens) 
 host tier (the scheduler side of vLLM's ``OffloadingConnector``, 16,384 chunks of one block; see
 ``session_gate.lab.engine.inprocess_tier``). Two probe states over them, each with its own chain
 cache: ``gpu`` (the probe without a tier, as on an engine without offloading) and ``tiered``
-(the same probe reading the tier too). The same 32,768-token prompt, the same session (packed uint32 ids),
-timed in interleaved pairs so both see the same machine:
+(the same probe reading the tier too). The same 32,768-token prompt (packed uint32 ids), the
+same session, timed in interleaved pairs so both see the same machine:
 
 * ``gpu_resident``: the prompt is on the GPU (the tier holds it too). The tiered probe adds one
   chunk lookup after the GPU hit. Target: tiered <= 2 x gpu.
