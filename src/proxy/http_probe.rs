@@ -198,8 +198,13 @@ mod tests {
         assert_eq!(tier_field(&v, "offload_used_blocks").unwrap(), None);
         // An engine that predates the tier sends no key at all.
         assert_eq!(tier_field(&json!({}), "offloaded_tokens").unwrap(), None);
-        for bad in [json!({"offloaded_tokens": "lots"}), json!({"offloaded_tokens": -1})] {
-            let err = tier_field(&bad, "offloaded_tokens").unwrap_err().to_string();
+        for bad in [
+            json!({"offloaded_tokens": "lots"}),
+            json!({"offloaded_tokens": -1}),
+        ] {
+            let err = tier_field(&bad, "offloaded_tokens")
+                .unwrap_err()
+                .to_string();
             assert!(err.contains("offloaded_tokens"), "{err}");
         }
     }
