@@ -31,11 +31,13 @@ test-python: setup
 
 # The checks that need no running engine, against vLLM 0.33.0 (the GPU wheel, overlaid on this
 # venv by scripts/setup.sh): patch ledger, hashing differential, probe fidelity and read-only
-# checks on an in-process KVCacheManager, the twin's block-pool differential.
+# checks on an in-process KVCacheManager (and on the offloading connector's host tier), the twin's
+# block-pool differential.
 VLLM_NEXT_VERSION := 0.33.0
 VLLM_NEXT := $(dir $(VENV))vllm-$(VLLM_NEXT_VERSION)
 INPROCESS_TESTS := tests/python/test_patch_ledger.py tests/python/test_hash_differential.py \
-	tests/python/test_probe_inprocess.py tests/python/test_sim_block_pool.py
+	tests/python/test_probe_inprocess.py tests/python/test_sim_block_pool.py \
+	tests/python/test_probe_tier_inprocess.py
 test-vllm-next: setup
 	SESSION_GATE_EXPECT_VLLM=$(VLLM_NEXT_VERSION) PYTHONPATH=$(VLLM_NEXT) \
 		$(PY) -m pytest -q $(INPROCESS_TESTS)
@@ -97,10 +99,12 @@ bench-stream: setup
 	$(PY) -m session_gate.lab.bench.stream --workload default --modes none,stream,stream-cap4
 
 # Where a block hash's time goes (bytes hashed per block, serialisation, SHA-256, its compression
-# function: the floor), then the probes on vLLM's real block pools; the last line is JSON.
+# function: the floor), then the probes on vLLM's real block pools, then the tiered probe (host
+# KV tier read) beside the GPU-only probe on the same prompt; each part's last line is JSON.
 bench-probe: setup
 	cargo run --release --quiet --example hash_speed
 	$(PY) -m session_gate.lab.engine.bench_probe
+	$(PY) -m session_gate.lab.engine.bench_probe_tier
 
 bench-gate: setup
 	cargo run --release --quiet --example bench_gate

@@ -129,8 +129,11 @@ typedef int32_t sg_reason;
 #define SG_REASON_RESIDENT_PREFIX 3
 /** The attempt waited `max_wait_sec`. */
 #define SG_REASON_MAX_WAIT 4
+/** Under pressure, and the session's prefix is back at its reload cost: on the GPU or in the
+ * host KV tier (`sg_prefix.offloaded_tokens`), and its GPU blocks fit. */
+#define SG_REASON_OFFLOADED_PREFIX 5
 /** Number of reasons; `sg_stats.admissions` is indexed by `sg_reason`. */
-#define SG_REASON_COUNT 5
+#define SG_REASON_COUNT 6
 
 /** The label of a reason, e.g. "resident_prefix": static, NUL-terminated; NULL if unknown. */
 const char *sg_reason_name(sg_reason reason);
@@ -210,6 +213,13 @@ typedef struct sg_usage {
     uint64_t num_cached_free_blocks;
     /** Tokens per block (must be > 0). */
     uint64_t block_size;
+    /** Whether the engine has a host KV tier it can read (vLLM's offloading connector); when
+     * false (no tier, or one in another process) the two figures below are ignored. */
+    bool has_offload_blocks;
+    /** The host tier's capacity, in GPU blocks. */
+    uint64_t offload_num_blocks;
+    /** GPU blocks' worth of KV the host tier holds now. */
+    uint64_t offload_used_blocks;
 } sg_usage;
 
 /** The engine's answer to `session_gate_probe` (same fields). */
@@ -222,6 +232,11 @@ typedef struct sg_prefix {
     uint64_t hit_tokens;
     /** Prompt length the engine saw. */
     uint64_t prompt_tokens;
+    /** Whether the engine could read its host KV tier; when false `offloaded_tokens` is
+     * ignored (the gate then decides on GPU residency alone). */
+    bool has_offloaded_tokens;
+    /** Tokens after `hit_tokens` that the host KV tier holds for this prompt and would load. */
+    uint64_t offloaded_tokens;
 } sg_prefix;
 
 /** Fills `*out` (zeroed beforehand) and returns `SG_OK`, or returns anything else (by

@@ -527,3 +527,28 @@ fn rechecked_witnesses_are_prefetched_first() {
         );
     }
 }
+
+/// `copy_hashes` hands out a session's cached hashes only where the stored tokens are the
+/// prompt's: after a miss inside the shared prefix the chain keeps an older prompt's tail.
+#[test]
+fn copy_hashes_stops_where_the_chain_holds_another_prompts_tail() {
+    let mut cache: ChainCache = ChainCache::new(1 << 20);
+    let mut h = hasher();
+    let older = prompt(20 * BS + 1, 1);
+    let all = reference(&older);
+    cache.walk(Some("s"), &older, BS, &mut h, &mut |_: &BlockHash| true);
+    let mut out = Vec::new();
+    assert_eq!(cache.copy_hashes("s", &older, 3, 20, &mut out), 17);
+    assert_eq!(out, all[3..20]);
+    // A newer prompt sharing 5 blocks, walked while nothing is resident: the walk misses at
+    // block 0, inside the shared prefix, and leaves the chain (the older prompt's) alone.
+    let mut newer = older[..5 * BS].to_vec();
+    newer.extend(prompt(12 * BS + 1, 2));
+    cache.walk(Some("s"), &newer, BS, &mut h, &mut |_: &BlockHash| false);
+    out.clear();
+    assert_eq!(cache.copy_hashes("s", &newer, 0, 17, &mut out), 5);
+    assert_eq!(out, reference(&newer)[..5]);
+    // Unknown sessions and ranges past the chain copy nothing.
+    assert_eq!(cache.copy_hashes("nobody", &newer, 0, 17, &mut out), 0);
+    assert_eq!(cache.copy_hashes("s", &older, 25, 30, &mut out), 0);
+}

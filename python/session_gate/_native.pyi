@@ -75,6 +75,18 @@ class ProbeEngine:
         ``BlockHashToBlockMap._cache``): ``(hit_blocks, hit_tokens, prompt_tokens,
         blocks_hashed, blocks_reused, blocks_rechecked)``. ``session_id=None`` does not
         remember the chain."""
+    def probe_tiered(
+        self,
+        cached_map: dict[bytes, object],
+        tier_chunks: dict[bytes, object],
+        blocks_per_chunk: int,
+        session_id: str | None,
+        token_ids: _TokenIds,
+    ) -> tuple[int, int, int, int, int, int, int, int]:
+        """:meth:`probe`, then the host KV tier: ``tier_chunks`` is the offloading manager's
+        cache-policy dict of chunks (``LRUCachePolicy.chunks``, read only). Returns the probe's
+        tuple followed by ``(offloaded_tokens, tier_blocks_hashed)``: the tokens after the GPU
+        hit vLLM's offloading connector would load, and the blocks the tier walk hashed."""
     def forget(self, session_id: str) -> bool:
         """Drops a session's remembered hash chain; whether one was held."""
     @property
@@ -118,7 +130,12 @@ def prompt_length(token_ids: _TokenIds, vocab_size: int, max_model_len: int) -> 
 
 _PressureName = Literal["committed", "engine"]
 _ReasonName = Literal[
-    "open", "reserved_session", "prefix_probe_unavailable", "resident_prefix", "max_wait"
+    "open",
+    "reserved_session",
+    "prefix_probe_unavailable",
+    "resident_prefix",
+    "max_wait",
+    "offloaded_prefix",
 ]
 _ProbeKindName = Literal["usage", "prefix", "forget"]
 
@@ -260,6 +277,7 @@ class _AdmissionsByReason(TypedDict):
     prefix_probe_unavailable: int
     resident_prefix: int
     max_wait: int
+    offloaded_prefix: int
 
 class _GateStatsDict(TypedDict):
     """``GateCore.stats()``. Always: ``attempts == admissions_total + preemptions +
@@ -306,7 +324,10 @@ class EngineGateBook:
         prefix: object,
         arm: object,
         future_cls: object,
-    ) -> EngineGateBook: ...
+        tier_usage: object | None = None,
+    ) -> EngineGateBook:
+        """``tier_usage() -> (num_blocks, used_blocks) | None``: the host KV tier's capacity
+        and use, read with every usage read when given."""
     @property
     def lease_ttl_sec(self) -> float: ...
     def admit(
@@ -377,7 +398,10 @@ class GateCore:
         num_cached_free_blocks: int | None,
         block_size: int,
         now: float,
-    ) -> None: ...
+        offload_num_blocks: int | None = None,
+        offload_used_blocks: int | None = None,
+    ) -> None:
+        """The host tier's figures are ``None`` when the engine has no readable tier."""
     def on_usage_unavailable(self, attempt: int, reason: str, now: float) -> None: ...
     def on_prefix(
         self,
@@ -387,7 +411,9 @@ class GateCore:
         hit_tokens: int,
         prompt_tokens: int,
         now: float,
-    ) -> None: ...
+        offloaded_tokens: int | None = None,
+    ) -> None:
+        """``offloaded_tokens`` is ``None`` when the engine has no readable host tier."""
     def on_prefix_unavailable(self, attempt: int, reason: str, now: float) -> None: ...
     def record_probe(self, kind: _ProbeKindName, secs: float, ok: bool) -> None: ...
     def cancel(self, attempt: int, now: float) -> bool:

@@ -48,6 +48,21 @@ def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+#: What an engine answers for a host-tier figure it cannot read (no connector, a tier in
+#: another process).
+TIER_UNAVAILABLE = "unavailable"
+
+
+def _tier_int(value: Any) -> int | None:
+    """A host-tier figure: ``"unavailable"``, ``None`` or absent (an engine that predates the
+    tier) is ``None``; any other string is an unusable answer."""
+    if value is None or value == TIER_UNAVAILABLE:
+        return None
+    if isinstance(value, str):
+        raise ValueError(f"host-tier figure must be an int or {TIER_UNAVAILABLE!r}, got {value!r}")
+    return int(value)
+
+
 if sys.version_info >= (3, 11):
     _timeout = asyncio.timeout
 else:  # pragma: no cover - Python 3.10
@@ -78,7 +93,8 @@ class Lease:
     @property
     def reason(self) -> str:
         """Why it was admitted: ``open``, ``reserved_session``, ``prefix_probe_unavailable``,
-        ``resident_prefix`` or ``max_wait``."""
+        ``resident_prefix``, ``max_wait`` or ``offloaded_prefix`` (the prefix is back from the
+        host KV tier at its reload cost)."""
         return self._admit.reason
 
     @property
@@ -383,6 +399,8 @@ class SessionGate:
                         _optional_int(answer.get("num_cached_free_blocks")),
                         int(answer["block_size"]),
                         _now(),
+                        _tier_int(answer.get("offload_num_blocks")),
+                        _tier_int(answer.get("offload_used_blocks")),
                     )
             except KeyError as exc:
                 error, failed = f"usage answer has no {exc.args[0]!r}", True
@@ -412,6 +430,7 @@ class SessionGate:
                         int(answer["hit_tokens"]),
                         int(answer["prompt_tokens"]),
                         _now(),
+                        _tier_int(answer.get("offloaded_tokens")),
                     )
             except KeyError as exc:
                 error, failed = f"prefix answer has no {exc.args[0]!r}", True

@@ -99,6 +99,8 @@ impl Probe for CallbackProbe {
                     .has_num_cached_free_blocks
                     .then_some(u.num_cached_free_blocks),
                 block_size: u.block_size,
+                offload_num_blocks: u.has_offload_blocks.then_some(u.offload_num_blocks),
+                offload_used_blocks: u.has_offload_blocks.then_some(u.offload_used_blocks),
             })
         })
     }
@@ -134,6 +136,7 @@ impl Probe for CallbackProbe {
                 hit_blocks: p.hit_blocks,
                 hit_tokens: p.hit_tokens,
                 prompt_tokens: p.prompt_tokens,
+                offloaded_tokens: p.has_offloaded_tokens.then_some(p.offloaded_tokens),
             })
         })
     }

@@ -90,6 +90,26 @@ impl<W> Chain<W> {
         BlockHash::from_digest(&self.segments[i / SEGMENT_BLOCKS].hashes[at..at + stride])
     }
 
+    /// How many consecutive blocks from `from` (up to `to` and the chain's end) hold exactly
+    /// `tokens`' blocks at the same positions: a block's stored hash is `tokens`' hash there
+    /// when every block before it is `tokens`' too, which the caller vouches for below `from`.
+    pub(super) fn matching_blocks(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        from: usize,
+        to: usize,
+    ) -> usize {
+        let end = to.min(self.len).min(tokens.len() / block_size.max(1));
+        (from..end)
+            .take_while(|&i| {
+                let at = (i % SEGMENT_BLOCKS) * block_size;
+                self.segments[i / SEGMENT_BLOCKS].tokens[at..at + block_size]
+                    == tokens[i * block_size..(i + 1) * block_size]
+            })
+            .count()
+    }
+
     /// Block `i`'s tokens (`block_size` of them).
     #[cfg(test)]
     fn block_tokens(&self, i: usize, block_size: usize) -> &[u32] {

@@ -230,6 +230,31 @@ impl<W> ChainCache<W> {
         Some(self.sessions.get(session)?.chain.hashes(stride))
     }
 
+    /// Appends to `out` the hashes of blocks `from..to` of `tokens` that `session`'s cached
+    /// chain holds, and returns how many: consecutive blocks from `from` whose stored tokens
+    /// are `tokens`' own (a chain keeps an older prompt's tail after a miss inside the shared
+    /// prefix, and that tail is not this prompt's). The caller vouches that the chain's blocks
+    /// before `from` are `tokens`' (right after a walk of `tokens`, every block up to its hit
+    /// is). Does not count as a use of the session (the LRU order is unchanged).
+    pub fn copy_hashes(
+        &self,
+        session: &str,
+        tokens: &[u32],
+        from: usize,
+        to: usize,
+        out: &mut Vec<BlockHash>,
+    ) -> usize {
+        let (Some(config), Some(entry)) = (self.config, self.sessions.get(session)) else {
+            return 0;
+        };
+        let stride = config.algo.digest_len();
+        let n = entry
+            .chain
+            .matching_blocks(tokens, config.block_size, from, to);
+        out.extend((from..from + n).map(|i| entry.chain.hash(i, stride)));
+        n
+    }
+
     /// Forgets everything if the chains were hashed under another configuration.
     fn configure(&mut self, config: ChainConfig) {
         if self.config != Some(config) {

@@ -47,6 +47,20 @@ fn f64_field(v: &Value, key: &str) -> Result<f64> {
         .ok_or_else(|| unavailable(format!("answer has no number {key:?}")))
 }
 
+/// What the engine answers for a host-tier figure it cannot read.
+const TIER_UNAVAILABLE: &str = "unavailable";
+
+/// A host-tier field (`offloaded_tokens`, `offload_num_blocks`, `offload_used_blocks`): an
+/// integer, or `"unavailable"` (no readable tier); absent or `null` (an engine that predates
+/// the tier) reads as unavailable too. Anything else is a bad answer.
+fn tier_field(v: &Value, key: &str) -> Result<Option<u64>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s == TIER_UNAVAILABLE => Ok(None),
+        Some(_) => u64_field(v, key).map(Some),
+    }
+}
+
 impl HttpProbe {
     /// A probe of the replica at `base` (`http://host:port`) whose `host:port` is `authority`.
     /// `authorization` is sent as the `Authorization` header (a replica run with `--api-key`).
@@ -104,6 +118,8 @@ impl HttpProbe {
                 Some(_) => Some(u64_field(&v, "num_cached_free_blocks")?),
             },
             block_size: u64_field(&v, "block_size")?,
+            offload_num_blocks: tier_field(&v, "offload_num_blocks")?,
+            offload_used_blocks: tier_field(&v, "offload_used_blocks")?,
         };
         *self.last_usage.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         Ok(report)
@@ -133,6 +149,7 @@ impl HttpProbe {
             hit_blocks: u64_field(&v, "hit_blocks")?,
             hit_tokens: u64_field(&v, "hit_tokens")?,
             prompt_tokens: u64_field(&v, "prompt_tokens")?,
+            offloaded_tokens: tier_field(&v, "offloaded_tokens")?,
         })
     }
 
@@ -164,5 +181,31 @@ impl Probe for HttpProbe {
 
     fn forget<'a>(&'a self, session_id: &'a str) -> ProbeFuture<'a, ()> {
         Box::pin(self.forget_impl(session_id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn host_tier_fields_read_ints_and_unavailable_and_old_answers() {
+        let v = json!({"offloaded_tokens": 4096, "offload_num_blocks": "unavailable",
+                       "offload_used_blocks": null});
+        assert_eq!(tier_field(&v, "offloaded_tokens").unwrap(), Some(4096));
+        assert_eq!(tier_field(&v, "offload_num_blocks").unwrap(), None);
+        assert_eq!(tier_field(&v, "offload_used_blocks").unwrap(), None);
+        // An engine that predates the tier sends no key at all.
+        assert_eq!(tier_field(&json!({}), "offloaded_tokens").unwrap(), None);
+        for bad in [
+            json!({"offloaded_tokens": "lots"}),
+            json!({"offloaded_tokens": -1}),
+        ] {
+            let err = tier_field(&bad, "offloaded_tokens")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("offloaded_tokens"), "{err}");
+        }
     }
 }

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyType};
 
 use super::guard::{no_panic, no_panic_then};
+use super::host_tier::{Tier, TierHit, TierWalk};
 use super::residency::{BlockWitness, HashSlot, KeyBuf, MapResidency};
 use super::tokens::{TokenLimits, check_length, check_vocab, read_prompt};
 use crate::hashing::{BlockHash, BlockHasher, HashAlgo};
@@ -88,7 +89,10 @@ impl ProbeEngine {
         let mut panicked = false;
         let result = no_panic_then(
             "session_gate_probe",
-            || self.probe_inner(cached_map, session_id, token_ids),
+            || {
+                self.probe_inner(cached_map, None, session_id, token_ids)
+                    .map(|(walk, _)| walk)
+            },
             || panicked = true,
         );
         if panicked {
@@ -96,6 +100,39 @@ impl ProbeEngine {
             self.chains = ChainCache::new(budget);
         }
         result
+    }
+
+    /// [`probe`](Self::probe), then the host KV tier's half: `tier_chunks` is the offloading
+    /// manager's cache-policy dict of chunks (`LRUCachePolicy.chunks`), `blocks_per_chunk` the
+    /// connector's chunk size in blocks. Returns the probe's tuple followed by
+    /// `(offloaded_tokens, tier_blocks_hashed)`: the tokens after the GPU hit the connector
+    /// would load, and the blocks the tier walk hashed. Reads the dict only (no Python call).
+    #[pyo3(signature = (cached_map, tier_chunks, blocks_per_chunk, session_id, token_ids))]
+    fn probe_tiered(
+        &mut self,
+        cached_map: &Bound<'_, PyDict>,
+        tier_chunks: &Bound<'_, PyDict>,
+        blocks_per_chunk: usize,
+        session_id: Option<&str>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<TieredTuple> {
+        let budget = self.chains.budget_bytes();
+        let mut panicked = false;
+        let tier = Tier {
+            chunks: tier_chunks,
+            blocks_per_chunk,
+        };
+        let result = no_panic_then(
+            "session_gate_probe",
+            || self.probe_inner(cached_map, Some(tier), session_id, token_ids),
+            || panicked = true,
+        );
+        if panicked {
+            self.chains = ChainCache::new(budget);
+        }
+        let ((a, b, c, d, e, f), tier) = result?;
+        let tier = tier.unwrap_or_default();
+        Ok((a, b, c, d, e, f, tier.offloaded_tokens, tier.blocks_hashed))
     }
 
     /// Drops a session's remembered hash chain; returns whether one was held.
@@ -131,13 +168,17 @@ impl ProbeEngine {
 /// `(hit_blocks, hit_tokens, prompt_tokens, blocks_hashed, blocks_reused, blocks_rechecked)`.
 type ProbeTuple = (usize, usize, usize, usize, usize, usize);
 
+/// [`ProbeTuple`] followed by `(offloaded_tokens, tier_blocks_hashed)`.
+type TieredTuple = (usize, usize, usize, usize, usize, usize, usize, usize);
+
 impl ProbeEngine {
     fn probe_inner(
         &mut self,
         cached_map: &Bound<'_, PyDict>,
+        tier: Option<Tier<'_, '_>>,
         session_id: Option<&str>,
         token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<ProbeTuple> {
+    ) -> PyResult<(ProbeTuple, Option<TierHit>)> {
         // The vocabulary check (a pass over every id) runs inside the walk, over the ids the
         // session's chain does not already hold: they were checked when it stored them.
         let tokens = read_prompt(token_ids, None)?;
@@ -173,14 +214,30 @@ impl ProbeEngine {
         if let Some(err) = residency.error {
             return Err(err);
         }
-        Ok((
+        let tier_hit = match tier {
+            Some(tier) => Some(
+                TierWalk {
+                    tier,
+                    chains: &self.chains,
+                    session_id,
+                    hasher: &mut self.hasher,
+                    keys: &mut self.keys,
+                    group_suffix: self.group_suffix,
+                    block_size: self.block_size,
+                }
+                .run(&tokens, walk.hit_blocks)?,
+            ),
+            None => None,
+        };
+        let probe = (
             walk.hit_blocks,
             walk.hit_tokens,
             walk.prompt_tokens,
             walk.blocks_hashed,
             walk.blocks_reused,
             walk.blocks_rechecked,
-        ))
+        );
+        Ok((probe, tier_hit))
     }
 }
 

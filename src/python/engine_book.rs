@@ -84,6 +84,9 @@ struct Probes<'a, 'py> {
     /// The pool's `free_block_queue`.
     free_queue: &'a Bound<'py, PyAny>,
     prefix: &'a Bound<'py, PyAny>,
+    /// `tier_usage() -> (num_blocks, used_blocks) | None`: the host KV tier, when the engine
+    /// has a readable one.
+    tier_usage: Option<&'a Bound<'py, PyAny>>,
     block_size: u64,
     /// `block_pool.num_gpu_blocks` (fixed for the pool's life), null block included.
     num_gpu_blocks: u64,
@@ -109,12 +112,21 @@ impl Probes<'_, '_> {
         } else {
             1.0 - num_free_blocks as f64 / num_blocks as f64
         };
+        let (offload_num_blocks, offload_used_blocks) = match self.tier_usage {
+            Some(tier) => tier
+                .call0()?
+                .extract::<Option<(u64, u64)>>()?
+                .map_or((None, None), |(num, used)| (Some(num), Some(used))),
+            None => (None, None),
+        };
         Ok(UsageReport {
             kv_cache_usage,
             num_blocks,
             num_free_blocks,
             num_cached_free_blocks: None,
             block_size: self.block_size,
+            offload_num_blocks,
+            offload_used_blocks,
         })
     }
 
@@ -141,7 +153,18 @@ impl Probes<'_, '_> {
             hit_blocks: field(p, intern!(py, "hit_blocks"))?.extract()?,
             hit_tokens: field(p, intern!(py, "hit_tokens"))?.extract()?,
             prompt_tokens: field(p, intern!(py, "prompt_tokens"))?.extract()?,
+            offloaded_tokens: tier_tokens(p, intern!(py, "offloaded_tokens"))?,
         })
+    }
+}
+
+/// `offloaded_tokens`: an int, or `None` for `"unavailable"`, `None` or no key (no readable
+/// host tier).
+fn tier_tokens<'py>(d: &Bound<'py, PyDict>, key: &Bound<'py, PyString>) -> PyResult<Option<u64>> {
+    match d.get_item(key)? {
+        Some(v) if v.is_instance_of::<PyString>() || v.is_none() => Ok(None),
+        Some(v) => Ok(Some(v.extract()?)),
+        None => Ok(None),
     }
 }
 
@@ -197,6 +220,8 @@ pub(crate) struct PyEngineGateBook {
     free_queue: Py<PyAny>,
     /// `prefix(session_id, token_ids) -> dict`: the engine's prefix probe (`session_gate_probe`).
     prefix: Py<PyAny>,
+    /// `tier_usage() -> (num_blocks, used_blocks) | None`, when the engine has a host KV tier.
+    tier_usage: Option<Py<PyAny>>,
     /// `arm(at)`: asks the timer thread to wake the engine at `at` (the core's clock).
     arm: Py<PyAny>,
     /// `concurrent.futures.Future`.
@@ -415,6 +440,7 @@ impl PyEngineGateBook {
             py,
             free_queue: self.free_queue.bind(py),
             prefix: self.prefix.bind(py),
+            tier_usage: self.tier_usage.as_ref().map(|t| t.bind(py)),
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             usage: None,
@@ -572,6 +598,7 @@ impl PyEngineGateBook {
     /// timer, `future_cls` (`concurrent.futures.Future`) for deferred answers, and the
     /// engine's vocabulary size and context length for checking prompts.
     #[new]
+    #[pyo3(signature = (config, lease_ttl_sec, block_pool, block_size, vocab_size, max_model_len, prefix, arm, future_cls, tier_usage=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -584,6 +611,7 @@ impl PyEngineGateBook {
         prefix: Py<PyAny>,
         arm: Py<PyAny>,
         future_cls: Py<PyAny>,
+        tier_usage: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         no_panic("EngineGateBook()", || {
             let core = GateCore::new(config.inner().clone())?;
@@ -596,6 +624,7 @@ impl PyEngineGateBook {
                 book: EngineBook::new(core, lease_ttl_sec)?,
                 free_queue,
                 prefix,
+                tier_usage,
                 arm,
                 future_cls,
                 block_size,

@@ -106,6 +106,7 @@ fn reason_str(py: Python<'_>, reason: Reason) -> Py<PyString> {
         Reason::PrefixProbeUnavailable => intern!(py, "prefix_probe_unavailable"),
         Reason::ResidentPrefix => intern!(py, "resident_prefix"),
         Reason::MaxWait => intern!(py, "max_wait"),
+        Reason::OffloadedPrefix => intern!(py, "offloaded_prefix"),
     };
     s.clone().unbind()
 }
@@ -215,7 +216,9 @@ impl PyGateCore {
         })
     }
 
-    /// The usage probe answered (the keys of `session_gate_usage`).
+    /// The usage probe answered (the keys of `session_gate_usage`). The host tier's figures
+    /// are `None` when the engine has no readable tier (or predates them).
+    #[pyo3(signature = (attempt, kv_cache_usage, num_blocks, num_free_blocks, num_cached_free_blocks, block_size, now, offload_num_blocks=None, offload_used_blocks=None))]
     #[allow(clippy::too_many_arguments)]
     fn on_usage(
         &mut self,
@@ -226,6 +229,8 @@ impl PyGateCore {
         num_cached_free_blocks: Option<u64>,
         block_size: u64,
         now: f64,
+        offload_num_blocks: Option<u64>,
+        offload_used_blocks: Option<u64>,
     ) -> PyResult<()> {
         no_panic("GateCore.on_usage", || {
             let report = UsageReport {
@@ -234,6 +239,8 @@ impl PyGateCore {
                 num_free_blocks,
                 num_cached_free_blocks,
                 block_size,
+                offload_num_blocks,
+                offload_used_blocks,
             };
             Ok(self
                 .core
@@ -250,7 +257,10 @@ impl PyGateCore {
         })
     }
 
-    /// The prefix probe answered (the keys of `session_gate_probe`).
+    /// The prefix probe answered (the keys of `session_gate_probe`). `offloaded_tokens` is
+    /// `None` when the engine has no readable host tier (or predates it).
+    #[pyo3(signature = (attempt, hit_ratio, hit_blocks, hit_tokens, prompt_tokens, now, offloaded_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
     fn on_prefix(
         &mut self,
         attempt: u64,
@@ -259,6 +269,7 @@ impl PyGateCore {
         hit_tokens: u64,
         prompt_tokens: u64,
         now: f64,
+        offloaded_tokens: Option<u64>,
     ) -> PyResult<()> {
         no_panic("GateCore.on_prefix", || {
             let report = PrefixReport {
@@ -266,6 +277,7 @@ impl PyGateCore {
                 hit_blocks,
                 hit_tokens,
                 prompt_tokens,
+                offloaded_tokens,
             };
             Ok(self
                 .core

@@ -15,6 +15,7 @@ mod engine_book;
 mod errors;
 mod gate_core;
 mod guard;
+mod host_tier;
 mod inference;
 mod knobs;
 mod residency;

@@ -82,7 +82,7 @@ impl KeyBuf {
     /// replaced and its cached hash reset, so to every later reader it is a fresh object. If a
     /// reference escaped (it cannot through a dict lookup, but we do not rely on that), a new
     /// object is made instead.
-    fn key(
+    pub(super) fn key(
         &mut self,
         py: Python<'_>,
         hash: &[u8],

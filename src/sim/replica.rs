@@ -246,6 +246,8 @@ impl<'a> Probes<'a> {
             // counts when asked: `count_cached_free`).
             num_cached_free_blocks: Some(u64::from(pool.num_cached_free_blocks())),
             block_size: u64::from(self.kv.block_size()),
+            offload_num_blocks: None,
+            offload_used_blocks: None,
         }
     }
 
@@ -281,6 +283,7 @@ impl<'a> Probes<'a> {
             hit_blocks: u64::from(hit_blocks),
             hit_tokens,
             prompt_tokens: u64::from(prompt_tokens),
+            offloaded_tokens: None,
         }
     }
 }

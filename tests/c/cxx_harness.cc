@@ -143,7 +143,8 @@ std::uint32_t admit_every_reason() {
     Stats s = gate.stats();
     expect(s.admissions[SG_REASON_OPEN] == 1 && s.admissions[SG_REASON_RESERVED_SESSION] == 1 &&
                s.admissions[SG_REASON_RESIDENT_PREFIX] == 1 &&
-               s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1,
+               s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1 &&
+               s.admissions[SG_REASON_OFFLOADED_PREFIX] == 0,
            "admissions by reason in stats");
     expect(gate.prometheus().find("session_gate_admissions_total{reason=\"resident_prefix\"} 1") !=
                std::string::npos,

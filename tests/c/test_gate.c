@@ -90,6 +90,10 @@ static sg_status on_usage(void *user_data, sg_usage *out) {
     out->num_blocks = BLOCKS;
     out->num_free_blocks = (uint64_t)((1.0 - e->usage) * BLOCKS);
     out->block_size = BLOCK_SIZE;
+    /* A host KV tier of 4x the GPU cache, a quarter full. */
+    out->has_offload_blocks = true;
+    out->offload_num_blocks = 4 * BLOCKS;
+    out->offload_used_blocks = BLOCKS;
     pthread_mutex_unlock(&e->mu);
     return SG_OK;
 }
@@ -107,6 +111,9 @@ static sg_status on_prefix(void *user_data, const char *session_id, size_t sessi
     out->prompt_tokens = prompt_len;
     out->hit_tokens = (uint64_t)(e->hit_ratio * (double)prompt_len);
     out->hit_blocks = out->hit_tokens / BLOCK_SIZE;
+    /* The tier holds nothing more of these prompts. */
+    out->has_offloaded_tokens = true;
+    out->offloaded_tokens = 0;
     pthread_mutex_unlock(&e->mu);
     return status;
 }
@@ -243,6 +250,7 @@ static void every_reason(void) {
     CHECK(s.admissions[SG_REASON_RESIDENT_PREFIX] == 1);
     CHECK(s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1);
     CHECK(s.admissions[SG_REASON_MAX_WAIT] == 0);
+    CHECK(s.admissions[SG_REASON_OFFLOADED_PREFIX] == 0);
     CHECK(s.attempts == 5 && s.cancellations == 1 && s.leases_active == 0);
     CHECK(s.leases_released == 3 && s.leases_dropped_unreleased == 1);
     CHECK(s.sessions_finished == 1 && s.wait_count == 4);
@@ -253,6 +261,7 @@ static void every_reason(void) {
     EXPECT_STATUS(sg_gate_prometheus(gate, &text, &len), SG_OK);
     CHECK(text != NULL && strlen(text) == len);
     CHECK(strstr(text, "session_gate_admissions_total{reason=\"resident_prefix\"} 1\n") != NULL);
+    CHECK(strstr(text, "session_gate_admissions_total{reason=\"offloaded_prefix\"} 0\n") != NULL);
     CHECK(strstr(text, "session_gate_cancellations_total 1\n") != NULL);
     EXPECT_STATUS(sg_string_free(text), SG_OK);
 
@@ -576,6 +585,8 @@ static void names_and_version(void) {
     CHECK(sg_status_name(999) == NULL);
     CHECK(strcmp(sg_reason_name(SG_REASON_PREFIX_PROBE_UNAVAILABLE),
                  "prefix_probe_unavailable") == 0);
+    CHECK(strcmp(sg_reason_name(SG_REASON_OFFLOADED_PREFIX), "offloaded_prefix") == 0);
+    CHECK(SG_REASON_OFFLOADED_PREFIX == SG_REASON_COUNT - 1);
     CHECK(sg_reason_name(SG_REASON_COUNT) == NULL);
 }
 

@@ -57,6 +57,15 @@ def test_usage_reports_vllm_usage_and_block_counts(llm):
         call(llm, "session_gate_usage", "yes")
 
 
+def test_an_engine_without_a_host_tier_says_so_through_the_utility_calls(llm):
+    """No KV connector on this engine (vLLM's CPU backend cannot offload): the tier's figures
+    cross the utility call as "unavailable", beside a GPU answer that is still given."""
+    usage = call(llm, "session_gate_usage")
+    assert usage["offload_num_blocks"] == usage["offload_used_blocks"] == "unavailable"
+    answer = probe(llm, "no-tier", random_prompt(random.Random(29), 3 * BLOCK + 1))
+    assert answer["offloaded_tokens"] == "unavailable" and answer["hit_tokens"] >= 0
+
+
 def test_cold_warm_extended_diverged_prompts_match_num_cached_tokens(llm):
     rng = random.Random(7)
     base = random_prompt(rng, 10 * BLOCK + 5)

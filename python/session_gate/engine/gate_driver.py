@@ -101,6 +101,8 @@ def native_book(
         walk,
         arm,
         Future,
+        # The host tier's capacity and use join every usage read, when the engine has one.
+        tier_usage=state.tier_usage if getattr(state, "tier", None) is not None else None,
     )
 
 
@@ -190,7 +192,16 @@ class EngineGateDriver:
         s["engine_gate"].update(self.counters)
         if self.scheduler_gate is not None:
             s["scheduler"] = self.scheduler_gate.stats()
+        s["host_tier"] = self._host_tier()
         return s
+
+    def _host_tier(self) -> dict[str, Any]:
+        """The host KV tier's capacity and use in GPU blocks, or why it cannot be read."""
+        usage = getattr(self._probes, "tier_usage", lambda: None)()
+        if usage is None:
+            reason = getattr(self._probes, "tier_unavailable", None) or "no host KV tier"
+            return {"num_blocks": None, "used_blocks": None, "unavailable": reason}
+        return {"num_blocks": usage[0], "used_blocks": usage[1], "unavailable": None}
 
     def prometheus(self) -> str:
         engine = self._book.stats()["engine_gate"]
@@ -210,6 +221,21 @@ class EngineGateDriver:
         }
         for name, (kind, value, text) in extra.items():
             lines += metric_lines(f"session_gate_engine_{name}", kind, text, value)
+        tier = self._host_tier()
+        if tier["unavailable"] is None:
+            # Only an engine with a readable host tier has these (no series means no tier).
+            lines += metric_lines(
+                "session_gate_offload_blocks",
+                "gauge",
+                "Host KV tier capacity, in GPU blocks",
+                tier["num_blocks"],
+            )
+            lines += metric_lines(
+                "session_gate_offload_used_blocks",
+                "gauge",
+                "GPU blocks' worth of KV the host KV tier holds",
+                tier["used_blocks"],
+            )
         if self.scheduler_gate is not None:
             lines.append(self.scheduler_gate.prometheus().rstrip("\n"))
         return "\n".join(lines) + "\n"

@@ -55,6 +55,13 @@ class _Probes:
         self.block_size = state.block_size
         self.vocab_size = state.vocab_size
         self.max_model_len = state.max_model_len
+        #: The host KV tier, when the engine has one the probes can read (else ``None`` and
+        #: ``tier_unavailable`` says why).
+        self.tier = state.tier
+        self.tier_unavailable = state.tier_unavailable
+
+    def tier_usage(self) -> tuple[int, int] | None:
+        return self._state.tier_usage()
 
     def probe(self, session_id: str, token_ids: Any) -> dict[str, Any]:
         return self._state.probe(session_id, token_ids)

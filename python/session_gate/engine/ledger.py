@@ -263,4 +263,65 @@ LEDGER: tuple[Patch, ...] = (
             "vllm.entrypoints.serve.instrumentator.metrics:attach_router",
         ),
     ),
+    Patch(
+        symbol="Scheduler.connector -> OffloadingConnector.connector_scheduler -> "
+        "OffloadingConnectorScheduler.manager (CPUOffloadingManager) ._policy "
+        "(LRUCachePolicy) .chunks, ._num_chunks, and .config (SchedulerOffloadConfig)",
+        how="read only (host_tier): the prefix probe looks the offload keys of the prompt's "
+        "chunks after the GPU hit up in the policy's chunks dict through the CPython API "
+        "(PyDict_GetItemWithError: no Python call), until the first miss; the usage probe "
+        "reads len(chunks) and _num_chunks. The config's group geometry decides whether the "
+        "walk reproduces the connector's lookup; anything else answers 'unavailable'",
+        why="CPUOffloadingManager.lookup is side-effect free today (policy.get), but a Python "
+        "call per chunk inside the engine loop costs what the GPU probe avoids, and touch(), "
+        "prepare_load() and the connector's get_num_new_matched_tokens() move LRU ranks or "
+        "statistics; a dict read moves nothing (tested: ranks, heap, evictable set, chunk "
+        "states and connector stats equal before and after probes)",
+        removable_when="the offloading manager exposes a batched, side-effect-free prefix "
+        "lookup and its capacity and use",
+        checks=(
+            "vllm.v1.core.sched.scheduler:Scheduler#connector",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector:"
+            "OffloadingConnector#connector_scheduler",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "OffloadingConnectorScheduler#manager",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "OffloadingConnectorScheduler#config",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "SchedulerOffloadConfig.kv_group_configs",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "SchedulerOffloadConfig.blocks_per_chunk",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "SchedulerOffloadConfig.supports_partial_tail",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "SchedulerOffloadConfig.dcp_world_size",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "GroupOffloadConfig.group_idx",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "GroupOffloadConfig.tokens_per_block",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "GroupOffloadConfig.hashes_per_chunk",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "GroupOffloadConfig.sliding_window_size_in_chunks",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "GroupOffloadConfig.is_eagle_group",
+            "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager#_policy",
+            "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager#_num_chunks",
+            "vllm.v1.kv_offload.cpu.manager:CPUOffloadingManager.lookup",
+            "vllm.v1.kv_offload.cpu.policies.lru:LRUCachePolicy#chunks",
+        ),
+    ),
+    Patch(
+        symbol="vllm.v1.kv_offload.base.make_offload_key (the key format, not the function)",
+        how="reproduced natively: a chunk's key is its last block's hash followed by the "
+        "4-byte big-endian KV-cache group id, the bytes the GPU prefix map's keys have",
+        why="the tier walk builds keys in one reused bytes object, as the GPU walk does",
+        removable_when="never: it is the tier's own key; the in-process tests check every "
+        "answer against the connector's lookup",
+        checks=(
+            "vllm.v1.kv_offload.base:make_offload_key",
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler:"
+            "OffloadingConnectorScheduler.get_num_new_matched_tokens",
+        ),
+    ),
 )

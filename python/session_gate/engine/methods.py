@@ -27,6 +27,8 @@ from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request
 
+from session_gate.engine import host_tier
+from session_gate.engine.host_tier import UNAVAILABLE, HostTier
 from session_gate.engine.utility import Utility
 
 logger = logging.getLogger("session_gate")
@@ -60,6 +62,8 @@ class EngineState:
         lora_enabled: bool,
         native: Any,
         native_error: str | None = None,
+        tier: HostTier | None = None,
+        tier_unavailable: str | None = "no KV connector: the engine has no host KV tier",
     ) -> None:
         kvm = kv_cache_manager
         self.kv_cache_manager = kvm
@@ -96,18 +100,30 @@ class EngineState:
             else None
         )
         self._native_module = native
+        if tier is not None and self.path != "native":
+            # The tier walk continues the native hash chain; vLLM's Python path has none.
+            tier, tier_unavailable = None, f"the prefix probe answers on its {self.path} path"
+        #: The host KV tier (vLLM's offloading connector), when it can be read in-process.
+        self.tier = tier
+        self.tier_unavailable = None if tier is not None else tier_unavailable
 
     @classmethod
     def of_core(cls, core: EngineCore, native: Any, native_error: str | None) -> EngineState:
         config = core.vllm_config
+        kvm = core.scheduler.kv_cache_manager
+        tier, tier_unavailable = host_tier.resolve(
+            core.scheduler, int(kvm.block_pool.hash_block_size)
+        )
         return cls(
-            core.scheduler.kv_cache_manager,
+            kvm,
             hash_algo=str(config.cache_config.prefix_caching_hash_algo),
             vocab_size=int(config.model_config.get_vocab_size()),
             max_model_len=int(config.model_config.max_model_len),
             lora_enabled=config.lora_config is not None,
             native=native,
             native_error=native_error,
+            tier=tier,
+            tier_unavailable=tier_unavailable,
         )
 
     def _why_unavailable(self, kvm: Any, lora_enabled: bool) -> str | None:
@@ -160,7 +176,17 @@ class EngineState:
         answer["num_cached_free_blocks"] = self._count_cached_free() if count_cached_free else None
         answer["block_size"] = self.block_size
         answer["hash_algo"] = self.hash_algo
+        tier = self.tier
+        if tier is not None:
+            answer["offload_num_blocks"], answer["offload_used_blocks"] = tier.usage()
+        else:
+            answer["offload_num_blocks"] = answer["offload_used_blocks"] = UNAVAILABLE
         return answer
+
+    def tier_usage(self) -> tuple[int, int] | None:
+        """The host tier's ``(capacity, held)`` in GPU blocks, or ``None`` without a readable
+        tier (the engine gate's usage reads it on every admit)."""
+        return self.tier.usage() if self.tier is not None else None
 
     def _count_cached_free(self) -> int:
         pool = self.block_pool
@@ -185,10 +211,33 @@ class EngineState:
         written. One native call and one dict: this runs in the engine loop on every probe."""
         if session_id is not None and not isinstance(session_id, str):
             raise TypeError(f"session_id must be a str or None, got {type(session_id).__name__}")
+        offloaded: int | str = UNAVAILABLE
+        tier_hashed = 0
         if self.path == "native":
-            hit_blocks, hit_tokens, prompt_tokens, hashed, reused, rechecked = self.native.probe(
-                self.block_pool.cached_block_hash_to_block._cache, session_id, token_ids
-            )
+            tier = self.tier
+            if tier is None:
+                hit_blocks, hit_tokens, prompt_tokens, hashed, reused, rechecked = (
+                    self.native.probe(
+                        self.block_pool.cached_block_hash_to_block._cache, session_id, token_ids
+                    )
+                )
+            else:
+                (
+                    hit_blocks,
+                    hit_tokens,
+                    prompt_tokens,
+                    hashed,
+                    reused,
+                    rechecked,
+                    offloaded,
+                    tier_hashed,
+                ) = self.native.probe_tiered(
+                    self.block_pool.cached_block_hash_to_block._cache,
+                    tier.chunks,
+                    tier.blocks_per_chunk,
+                    session_id,
+                    token_ids,
+                )
         else:
             tokens = self._validated_list(token_ids)
             prompt_tokens = len(tokens)
@@ -212,6 +261,8 @@ class EngineState:
             "hit_tokens": hit_tokens,
             "prompt_tokens": prompt_tokens,
             "hit_ratio": hit_tokens / prompt_tokens,
+            "offloaded_tokens": offloaded,
+            "tier_blocks_hashed": tier_hashed,
         }
 
     def _validated_list(self, token_ids: Any) -> list[int]:
