@@ -304,8 +304,22 @@ fn sim_profile_names() -> Vec<&'static str> {
     CostModel::profile_names().to_vec()
 }
 
+/// A built-in profile's TOML text, as embedded in the extension (its `[machine]` says where it
+/// was fitted).
+#[pyfunction]
+fn sim_profile_text(name: &str) -> PyResult<&'static str> {
+    CostModel::profile_text(name).ok_or_else(|| {
+        Error::InvalidInput(format!(
+            "unknown twin profile `{name}` (expected one of {})",
+            CostModel::profile_names().join(", ")
+        ))
+        .into()
+    })
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate_rl_steps, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
+    m.add_function(wrap_pyfunction!(sim_profile_text, m)?)?;
     Ok(())
 }
