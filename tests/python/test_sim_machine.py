@@ -136,3 +136,10 @@ def test_real_results_from_another_machine_need_a_profile_fitted_there(tmp_path,
     fidelity.main([*argv, "--real-json", str(DOCS / "real-default-none.json"), "--other-hardware"])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["other_hardware"] and last["profile"] == "cpu-tiny"
+
+
+def test_the_matrix_says_its_cpu_tiny_rows_are_projections_from_other_hardware():
+    from session_gate.lab.bench.matrix import cpu_tiny_note
+
+    note = cpu_tiny_note()
+    assert "fitted on other hardware" in note and "make sim-fidelity" in note

@@ -370,6 +370,23 @@ def run_figures(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: summary.get(k) for k in RUN_KEYS}
 
 
+def cpu_tiny_note() -> str:
+    """What the ``cpu-tiny`` twin rows beside this machine's real rows are: projections by a
+    profile fitted wherever it says, not a fidelity check unless it was fitted here."""
+    from session_gate import _native
+    from session_gate.lab.sim import machine as machines
+
+    text = _native.sim_profile_text("cpu-tiny")
+    diffs = machines.differences(machines.profile_machine(text), machines.this_machine())
+    if not diffs:
+        return "the cpu-tiny twin rows use a profile fitted on this machine"
+    return (
+        f"note: the cpu-tiny twin rows use a profile fitted on other hardware ({'; '.join(diffs)})"
+        ": read them as projections, not as the real rows' errors; `make sim-fidelity` "
+        "compares the twin with this engine after calibrating here"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     by_workload: dict[str, list[dict[str, Any]]] = {}
@@ -384,7 +401,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         by_workload = run_real(args)
         if not args.no_twin:
-            by_workload.update(run_twin(args))
+            twin = run_twin(args)
+            if by_workload and any(k.endswith("@cpu-tiny") for k in twin):
+                print(cpu_tiny_note())
+            by_workload.update(twin)
     matrix = build(by_workload)
     worst = worst_regret(matrix)
     partial = worst_regret(matrix, complete=False)
