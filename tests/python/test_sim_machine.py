@@ -143,3 +143,9 @@ def test_the_matrix_says_its_cpu_tiny_rows_are_projections_from_other_hardware()
 
     note = cpu_tiny_note()
     assert "fitted on other hardware" in note and "make sim-fidelity" in note
+
+
+def test_a_poor_fit_is_reported_and_a_good_one_is_not():
+    assert calibrate.fit_warning(0.207, -0.0) is None
+    assert "poor fit" in calibrate.fit_warning(1.498, 0.107)
+    assert "poor fit" in calibrate.fit_warning(0.2, -0.08)

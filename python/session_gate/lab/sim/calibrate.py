@@ -112,6 +112,27 @@ def fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return nnls(features, seconds)
 
 
+#: A fit worse than this is reported as poor: a least-squares fit in seconds with a fixed
+#: per-step term puts the total within a few percent, and the shipped fit's per-step mean
+#: error was 20.7%; on 2026-12-06 a fit timed while other engines loaded the same 2 CPUs
+#: reached 149.8% per step and +10.7% in total (NNLS dropped the fixed terms).
+POOR_TOTAL_ERROR = 0.05
+POOR_STEP_ERROR = 0.5
+
+
+def fit_warning(step_mean_abs_error: float, total_time_error: float) -> str | None:
+    """A warning when the fit is poor (its steps were likely timed under other load), else
+    None."""
+    if abs(total_time_error) <= POOR_TOTAL_ERROR and step_mean_abs_error <= POOR_STEP_ERROR:
+        return None
+    return (
+        f"calibrate: WARNING: a poor fit (per-step mean abs error {step_mean_abs_error:.1%}, "
+        f"total-time error {total_time_error:+.1%}): the steps were probably timed while other "
+        "work loaded the machine; time them again on a quiet machine (--repeats 3) before "
+        "trusting the twin's step times"
+    )
+
+
 def profile_toml(
     coef: np.ndarray,
     note: str,
@@ -527,6 +548,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ", ".join(f"{k} {v}" for k, v in shape.items())
     )
     print(f"wrote {args.out}")
+    poor = fit_warning(float(rel.mean()), float(total_err))
+    if poor:
+        print(poor, file=sys.stderr)
     result = {
         "profile": name,
         "out": args.out,
