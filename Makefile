@@ -155,9 +155,12 @@ bench-abi3: setup
 	$(PY) -m session_gate.lab.engine.bench_abi3
 
 # Fit the twin's cpu-tiny profile to this machine: times real steps of the bench's tiny CPU
-# engine, fits the step-time coefficients, prints the fit error, rewrites the profile.
+# engine, fits the step-time coefficients, prints the fit error, and writes the profile with this
+# machine's identity ([machine]) outside the checkout (~/.cache/session-gate/profiles/cpu-tiny.toml,
+# or under SESSION_GATE_CACHE), where every comparison of the twin with the real engine looks for this machine's fit. (The
+# shipped src/sim/profiles/cpu-tiny.toml is refreshed only deliberately, with --out.)
 sim-calibrate: setup
-	$(PY) -m session_gate.lab.sim.calibrate --out src/sim/profiles/cpu-tiny.toml
+	$(PY) -m session_gate.lab.sim.calibrate --machine-local
 
 # The replica twin's speed: 1,000 sessions x 30 turns on a 126,000-block H200 replica, simulated
 # time against wall time of the same run; the last line is JSON.
@@ -174,8 +177,10 @@ sim: setup
 		--out docs/sim-results.json --plot docs/sim-results.png
 
 # The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
+# Calibrates first when no cpu-tiny fit of this machine exists (the shipped one does not know
+# its machine), as sim-calibrate does; a profile from other hardware is never compared.
 sim-fidelity: setup
-	$(PY) -m session_gate.lab.sim.fidelity
+	$(PY) -m session_gate.lab.sim.fidelity --calibrate
 
 # The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
 bench-sim: setup

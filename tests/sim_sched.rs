@@ -110,7 +110,11 @@ fn leases_end_with_their_requests_and_every_turn_is_gated_once() {
     assert_eq!(stats.pending, 0);
     // The scheduler sees requests, not sessions: only the clients' finish calls end them.
     assert_eq!(stats.sessions_finished, 6);
-    let ids_only = run(sessions.clone(), 40, ModeSpec::SchedNoFinish(GateConfig::default()));
+    let ids_only = run(
+        sessions.clone(),
+        40,
+        ModeSpec::SchedNoFinish(GateConfig::default()),
+    );
     assert_eq!(ids_only.gate_stats.unwrap().sessions_finished, 0);
     assert!(out.infer_stats.is_none());
     // Deterministic.
@@ -229,6 +233,9 @@ fn sched_makespan_on_the_default_workload_is_close_to_the_gate_once_session_ends
     assert_eq!(nofinish.gate_stats.as_ref().unwrap().sessions_finished, 0);
     // Inferred sessions follow the true ones, so the gate decides as with ids alone.
     let r = ratio(&infer, &nofinish);
-    assert!((r - 1.0).abs() < 0.05, "sched-infer / sched-nofinish = {r:.3}");
+    assert!(
+        (r - 1.0).abs() < 0.05,
+        "sched-infer / sched-nofinish = {r:.3}"
+    );
     assert!(infer.infer_stats.unwrap().continued_fraction() >= 0.99);
 }

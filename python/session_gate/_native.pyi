@@ -38,6 +38,7 @@ __all__ = [
     "knobs",
     "sim_profile_names",
     "sim_profile_step_times",
+    "sim_profile_text",
     "sim_step_features",
     "simulate_rl_steps",
     "validate_prompt",
@@ -598,10 +599,10 @@ def simulate_rl_steps(
     max_num_batched_tokens: int | None = None,
     seed: int = 0,
 ) -> list[dict[str, object]]:
-    """Runs one mode (``none``, ``cap``, ``seed``, ``gate``, ``aimd``, ``pause``, ``sched``,
-    ``sched-infer``) of a workload on the twin over consecutive RL steps (one session list per
-    step), each step on a fresh replica, through ONE mode object: the gate core lives across
-    steps, the other modes start afresh. The built-in ``profile`` or the TOML
+    """Runs one mode (``none``, ``limit``, ``cap``, ``seed``, ``gate``, ``aimd``, ``pause``,
+    ``sched``, ``sched-infer``) of a workload on the twin over consecutive RL steps (one
+    session list per step), each step on a fresh replica, through ONE mode object: the gate
+    core lives across steps, the other modes start afresh. The built-in ``profile`` or the TOML
     ``profile_text``; the profile's replica shape unless a shape field is given. One dict per
     step: ``records`` (columns), ``makespan_sec``, ``gate_stats`` (or None; cumulative),
     ``infer_stats`` (``sched-infer``'s inferred sessions against the true ones, or None;
@@ -610,3 +611,7 @@ def simulate_rl_steps(
 
 def sim_profile_names() -> list[str]:
     """The built-in twin profiles."""
+
+def sim_profile_text(name: str) -> str:
+    """A built-in twin profile's TOML text, as embedded (its ``[machine]`` says where it was
+    fitted). Raises ``ValueError`` for an unknown name."""

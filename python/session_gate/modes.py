@@ -24,6 +24,9 @@ BASELINE_KINDS = ("aimd", "pause")
 SCHED_KINDS = ("sched", "sched-infer", "sched-nofinish")
 #: The scheduler modes whose requests name their session.
 NAMED_SCHED_KINDS = ("sched", "sched-nofinish")
+#: The twin's limit: no gate on the same engine with a GPU cache that never runs out (its
+#: makespan is the floor every mode's ``over_limit`` is measured against). Twin only.
+LIMIT_KIND = "limit"
 #: What the twin and the real bench compare unless ``--modes`` says otherwise.
 DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
 #: A baseline run with its time constants scaled to the workload's clock (the real bench only:
@@ -31,15 +34,17 @@ DEFAULT_MODES = "none,cap2,cap4,cap6,cap8,cap12,seed,gate"
 SCALED_SUFFIX = "-scaled"
 
 
-def mode_names(*, scaled: bool = True, sched: bool = False) -> list[str]:
+def mode_names(*, scaled: bool = True, sched: bool = False, limit: bool = False) -> list[str]:
     """Every mode :meth:`Mode.parse` accepts, ``capN`` standing for the static caps (N > 0);
-    without the ``-scaled`` baselines when ``scaled`` is false; with the scheduler modes (the
-    twin's) when ``sched`` is true."""
+    without the ``-scaled`` baselines when ``scaled`` is false; with the scheduler modes when
+    ``sched`` is true; with the limit (the twin's alone) when ``limit`` is true."""
     names = ["none", "capN", "seed", "gate"]
     for kind in BASELINE_KINDS:
         names += [kind, kind + SCALED_SUFFIX] if scaled else [kind]
     if sched:
         names += list(SCHED_KINDS)
+    if limit:
+        names.append(LIMIT_KIND)
     return names
 
 
@@ -48,7 +53,8 @@ class Mode:
     """``kind`` is ``none``, ``cap`` (session-level cap of ``cap`` sessions, held for a session's
     whole life), ``seed`` (the seed's gate, ``pressure="engine"``), ``gate`` (the default),
     ``aimd`` (prime-rl's adaptive episode concurrency), ``pause`` (ThunderAgent's tool-boundary
-    pausing), ``sched``, ``sched-infer`` or ``sched-nofinish`` (the gate inside the scheduler);
+    pausing), ``sched``, ``sched-infer`` or ``sched-nofinish`` (the gate inside the scheduler),
+    ``limit`` (the twin's floor: no gate, a cache that never runs out);
     ``scaled`` runs a baseline with its time constants scaled to the workload's clock."""
 
     name: str
@@ -63,11 +69,11 @@ class Mode:
 
     @staticmethod
     def parse(text: str) -> Mode:
-        if text in (*PLAIN_KINDS, *BASELINE_KINDS, *SCHED_KINDS):
+        if text in (*PLAIN_KINDS, *BASELINE_KINDS, *SCHED_KINDS, LIMIT_KIND):
             return Mode(text, text)
         if text.endswith(SCALED_SUFFIX) and text.removesuffix(SCALED_SUFFIX) in BASELINE_KINDS:
             return Mode(text, text.removesuffix(SCALED_SUFFIX), scaled=True)
         if text.startswith("cap") and text[3:].isdigit() and int(text[3:]) > 0:
             return Mode(text, "cap", int(text[3:]))
-        names = ", ".join(mode_names(sched=True))
+        names = ", ".join(mode_names(sched=True, limit=True))
         raise ValueError(f"unknown mode {text!r}: expected one of {names}")

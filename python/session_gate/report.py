@@ -30,6 +30,36 @@ HEADERS = (
     "revoke",
     "preempt",
 )
+#: Shown right after the makespan when the summaries carry them (the twin's tables): the
+#: makespan over the best mode's, and over the limit's.
+RELATIVE_COLUMNS = (("regret", "{:>6.2f}", "regret"), ("over_limit", "{:>6.2f}", "/limit"))
+#: The twin's limit mode (``session_gate.modes.LIMIT_KIND``): never a rival for the best mode.
+LIMIT_MODE = "limit"
+
+
+def add_relative(summaries: list[dict[str, Any]], limit_makespan: float | None) -> None:
+    """Sets each summary's ``regret`` (its makespan over the best makespan of the modes run,
+    the limit left out: no finite cache reaches it) and, given the limit's makespan,
+    ``over_limit`` (its makespan over the limit's) and ``limit_makespan_sec``."""
+    rivals = [s["makespan_sec"] for s in summaries if s["mode"] != LIMIT_MODE]
+    best = min(rivals, default=0.0)
+    for s in summaries:
+        if best > 0:
+            s["regret"] = s["makespan_sec"] / best
+        if limit_makespan is not None and limit_makespan > 0:
+            s["over_limit"] = s["makespan_sec"] / limit_makespan
+            s["limit_makespan_sec"] = limit_makespan
+
+
+def limit_line(summaries: list[dict[str, Any]]) -> str:
+    """The limit under a table: its makespan and what it is; empty without one."""
+    limit = next((s["limit_makespan_sec"] for s in summaries if "limit_makespan_sec" in s), None)
+    if limit is None:
+        return ""
+    return (
+        f"limit: makespan {limit:,.1f} s (no gate, the same engine with a GPU cache that never "
+        "runs out: a floor no finite cache reaches); /limit = makespan / limit"
+    )
 
 
 def write_records(path: str, results: list[Any]) -> None:
@@ -57,9 +87,15 @@ def engine_label(summaries: list[dict[str, Any]]) -> str:
 
 
 def table(summaries: list[dict[str, Any]]) -> str:
-    cells = [[fmt.format(s[key]) for key, fmt in COLUMNS] for s in summaries]
-    widths = [max([len(h)] + [len(row[c]) for row in cells]) for c, h in enumerate(HEADERS)]
-    head = " ".join(h.rjust(w) for h, w in zip(HEADERS, widths, strict=True))
+    columns, headers = list(COLUMNS), list(HEADERS)
+    at = headers.index("makespan") + 1
+    for key, fmt, header in reversed(RELATIVE_COLUMNS):
+        if any(key in s for s in summaries):
+            columns.insert(at, (key, fmt))
+            headers.insert(at, header)
+    cells = [[fmt.format(s[key]) if key in s else "-" for key, fmt in columns] for s in summaries]
+    widths = [max([len(h)] + [len(row[c]) for row in cells]) for c, h in enumerate(headers)]
+    head = " ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True))
     lines = [f"engine: {engine_label(summaries)}", head, "-" * len(head)]
     for s, row in zip(summaries, cells, strict=True):
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["admissions_by_reason"].items()))
@@ -117,6 +153,8 @@ def targets(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             for m, s in caps.items():
                 cap_ratios.setdefault(m, []).append(s["makespan_sec"] / best["makespan_sec"])
         gate = modes.get("gate")
+        if gate and "over_limit" in gate:
+            entry["gate_over_limit"] = gate["over_limit"]
         if gate:
             entry["gate_hit_over_ideal"] = gate["hit_rate"] / max(gate["ideal_hit_rate"], 1e-9)
             entry["gate_recompute_ratio"] = gate["recompute_ratio"]
@@ -139,7 +177,15 @@ def targets(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def figures(by_workload: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """The headline figures per workload and mode, for a results file's last JSON line."""
-    keys = ("engine", "hit_rate", "prefill_tokens", "recompute_ratio", "makespan_sec")
+    keys = (
+        "engine",
+        "hit_rate",
+        "prefill_tokens",
+        "recompute_ratio",
+        "makespan_sec",
+        "regret",
+        "over_limit",
+    )
     return {
         w: {s["mode"]: {k: s[k] for k in keys if k in s} for s in summaries}
         for w, summaries in by_workload.items()
@@ -177,6 +223,10 @@ def plot(by_workload: dict[str, list[dict[str, Any]]], path: str) -> None:
         hit.set_ylim(0, 1)
         hit.legend(fontsize=8)
         span.bar(names, [s["makespan_sec"] for s in summaries], color="tab:orange")
+        limit = summaries[0].get("limit_makespan_sec")
+        if limit:
+            span.axhline(limit, color="k", ls="--", lw=1, label="limit (unlimited cache)")
+            span.legend(fontsize=8)
         span.set_title(f"{workload}: makespan (s)")
         for ax in (hit, span):
             ax.tick_params(axis="x", rotation=45)

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from session_gate.modes import SCHED_KINDS, Mode, mode_names
+from session_gate.modes import LIMIT_KIND, SCHED_KINDS, Mode, mode_names
 from session_gate.workloads import Workload, load_trace
 
 #: What runs when neither ``--workload`` nor ``--trace`` is given.
@@ -28,10 +28,12 @@ def add_run_flags(
     scaled_modes: bool = True,
     results: tuple[str, str] | None = None,
     sched_modes: bool = False,
+    limit_mode: bool = False,
 ) -> None:
     """``--workload`` (one of ``workloads``), ``--trace``, ``--seed``; ``--modes`` with
     ``modes`` its default (none: no flag; ``scaled_modes``: whether the ``-scaled`` baselines
-    are offered; ``sched_modes``: whether the scheduler modes, the twin's, are); with
+    are offered; ``sched_modes``: whether the scheduler modes are; ``limit_mode``: whether the
+    twin's ``limit`` is); with
     ``results`` (the default JSON and PNG paths) ``--out``, ``--plot`` and ``--records``."""
     names = sorted(workloads)
     p.add_argument(
@@ -56,7 +58,7 @@ def add_run_flags(
             "--modes",
             default=modes,
             help="comma-separated modes: "
-            f"{', '.join(mode_names(scaled=scaled_modes, sched=sched_modes))} "
+            f"{', '.join(mode_names(scaled=scaled_modes, sched=sched_modes, limit=limit_mode))} "
             f"(default {modes})",
         )
     p.add_argument("--seed", type=int, default=0, help="the workloads' seed (default 0)")
@@ -92,16 +94,26 @@ def workloads_of(
 
 
 def modes_of(
-    p: argparse.ArgumentParser, text: str, *, scaled: bool = True, sched: bool = False
+    p: argparse.ArgumentParser,
+    text: str,
+    *,
+    scaled: bool = True,
+    sched: bool = False,
+    limit: bool = False,
 ) -> list[Mode]:
     """``--modes`` parsed; an unknown mode (or a ``-scaled`` one where ``scaled`` is false, a
-    scheduler mode where ``sched`` is false) is the parser's usage error."""
+    scheduler mode where ``sched`` is false, the limit where ``limit`` is false) is the
+    parser's usage error."""
     try:
         modes = [Mode.parse(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError as exc:
         p.error(str(exc))
     for mode in modes:
-        if (mode.scaled and not scaled) or (mode.kind in SCHED_KINDS and not sched):
-            names = ", ".join(mode_names(scaled=scaled, sched=sched))
+        if (
+            (mode.scaled and not scaled)
+            or (mode.kind in SCHED_KINDS and not sched)
+            or (mode.kind == LIMIT_KIND and not limit)
+        ):
+            names = ", ".join(mode_names(scaled=scaled, sched=sched, limit=limit))
             p.error(f"mode {mode.name}: expected one of {names}")
     return modes

@@ -11,6 +11,7 @@ use super::gate_core::stats_dict;
 use super::guard::no_panic;
 use super::knobs::PyGateConfig;
 use crate::error::Error;
+use crate::sim::driver::limit::limit_config;
 use crate::sim::driver::{InferStats, ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 
@@ -68,7 +69,9 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
 /// ONE mode object, so the gate core (what it learned, its counters) lives across steps; the
 /// other modes start afresh each step. One step is a plain run of the workload.
 ///
-/// `mode` is `none`, `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
+/// `mode` is `none`, `limit` (`none` on the same engine with a GPU cache no step can exhaust:
+/// `num_blocks` is replaced by a count that never evicts; the run fails if it evicted anyway),
+/// `cap` (with `cap` sessions), `seed` or `gate` (with `config`'s knobs;
 /// `seed` forces `pressure="engine"`), `aimd` or `pause` (the baselines, published defaults),
 /// `sched` or `sched-infer` (the engine gate's scheduler mode, with `config`'s knobs;
 /// `max_wait_sec` defaults to 120 s).
@@ -150,12 +153,17 @@ fn run<'py>(
         }
     };
     let d = ReplicaConfig::from_profile(&cost);
-    let shape = ReplicaConfig {
+    let mut shape = ReplicaConfig {
         num_blocks: num_blocks.unwrap_or(d.num_blocks),
         block_size: block_size.unwrap_or(d.block_size),
         max_num_seqs: max_num_seqs.unwrap_or(d.max_num_seqs),
         max_num_batched_tokens: max_num_batched_tokens.unwrap_or(d.max_num_batched_tokens),
     };
+    if spec == ModeSpec::Limit {
+        // The same engine with a cache no step can exhaust (num_blocks is the one field
+        // that changes).
+        shape = limit_config(shape, &steps)?;
+    }
     let (name, description) = (cost.name.clone(), cost.description.clone());
     let engine = cost.engine.clone();
     let (out, wall) = py.detach(|| {
@@ -286,6 +294,7 @@ fn replica_dict<'py>(py: Python<'py>, s: &ReplicaStats) -> PyResult<Bound<'py, P
     d.set_item("scheduled_tokens", s.scheduled_tokens)?;
     d.set_item("prefill_tokens", s.prefill_tokens)?;
     d.set_item("finished", s.finished)?;
+    d.set_item("evicted_blocks", s.evicted_blocks)?;
     Ok(d)
 }
 
@@ -295,8 +304,22 @@ fn sim_profile_names() -> Vec<&'static str> {
     CostModel::profile_names().to_vec()
 }
 
+/// A built-in profile's TOML text, as embedded in the extension (its `[machine]` says where it
+/// was fitted).
+#[pyfunction]
+fn sim_profile_text(name: &str) -> PyResult<&'static str> {
+    CostModel::profile_text(name).ok_or_else(|| {
+        Error::InvalidInput(format!(
+            "unknown twin profile `{name}` (expected one of {})",
+            CostModel::profile_names().join(", ")
+        ))
+        .into()
+    })
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate_rl_steps, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
+    m.add_function(wrap_pyfunction!(sim_profile_text, m)?)?;
     Ok(())
 }

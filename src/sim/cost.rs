@@ -135,6 +135,34 @@ struct ProfileFile {
     cost: CostTable,
     #[serde(default)]
     engine: EngineRecord,
+    #[serde(default)]
+    machine: Option<MachineRecord>,
+}
+
+/// The machine a calibration ran on (`[machine]`, optional; written by `python -m
+/// session_gate.lab.sim.calibrate`). Informational for the twin; the lab compares it with the
+/// machine at hand before it compares the twin with a real engine there (a profile fitted on
+/// other hardware predicts that hardware's step times). `known = false` says the profile does
+/// not know where it was fitted, which counts as other hardware.
+#[derive(Debug, Default, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineRecord {
+    /// Whether the fields below describe the machine the profile was fitted on.
+    pub known: bool,
+    /// `platform.machine()`, e.g. `x86_64`.
+    pub arch: Option<String>,
+    /// The CPU's model name (`/proc/cpuinfo`).
+    pub cpu_model: Option<String>,
+    /// CPUs the calibrating process could run on.
+    pub cpus: Option<u32>,
+    /// The CPU's instruction-set extensions that vLLM's CPU kernels choose by (AVX-512, AMX, ...).
+    pub cpu_flags: Option<Vec<String>>,
+    /// The vLLM version the steps were timed with.
+    pub vllm_version: Option<String>,
+    /// When the profile was fitted (UTC date).
+    pub fitted: Option<String>,
+    /// Free text: what is known when `known` is false.
+    pub note: Option<String>,
 }
 
 /// The engine a calibration timed (`[engine]`, optional; written by `python -m
@@ -218,6 +246,8 @@ pub struct CostModel {
     coefficients: Vec<Coefficient>,
     /// The engine a calibration timed (empty for hand-written profiles).
     pub engine: EngineRecord,
+    /// The machine a calibration ran on (None for hand-written profiles).
+    pub machine: Option<MachineRecord>,
 }
 
 impl CostModel {
@@ -235,6 +265,11 @@ impl CostModel {
     /// The built-in profile names.
     pub fn profile_names() -> &'static [&'static str] {
         PROFILE_NAMES
+    }
+
+    /// A built-in profile's TOML text, as embedded (None for an unknown name).
+    pub fn profile_text(name: &str) -> Option<&'static str> {
+        PROFILES.iter().find(|(n, _)| *n == name).map(|(_, t)| *t)
     }
 
     /// Parses a profile; errors name `path_for_errors`, the line and the field.
@@ -313,6 +348,7 @@ impl CostModel {
             decode_ctx_sec: coef("decode_ctx_sec", &c.decode_ctx_sec)?,
             coefficients,
             engine: file.engine,
+            machine: file.machine,
             name: file.name,
             description: file.description,
             shape: ProfileShape {
@@ -384,6 +420,38 @@ mod tests {
             assert_eq!(&m.name, name);
             assert_eq!(m.coefficients().len(), 6);
         }
+    }
+
+    #[test]
+    fn the_machine_record_is_optional_checked_and_the_shipped_cpu_tiny_does_not_know_it() {
+        let base = include_str!("profiles/h200-qwen2.5-7b.toml");
+        assert_eq!(CostModel::from_toml("x.toml", base).unwrap().machine, None);
+        let text = base.replace(
+            "[cost]",
+            "[machine]\nknown = true\ncpu_model = \"Some CPU\"\ncpus = 8\n\
+             cpu_flags = [\"avx2\", \"amx_bf16\"]\nvllm_version = \"0.32.0\"\n\n[cost]",
+        );
+        let m = CostModel::from_toml("x.toml", &text)
+            .unwrap()
+            .machine
+            .unwrap();
+        assert!(m.known);
+        assert_eq!(m.cpus, Some(8));
+        assert_eq!(m.cpu_flags.unwrap(), ["avx2", "amx_bf16"]);
+        let bad = text.replace("cpus = 8", "cpus = 8\nhostname = \"x\"");
+        let err = CostModel::from_toml("x.toml", &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("hostname"), "{err}");
+        let tiny = CostModel::profile("cpu-tiny").unwrap().machine.unwrap();
+        assert!(
+            !tiny.known,
+            "cpu-tiny's machine was not recorded: other hardware"
+        );
+        assert_eq!(
+            CostModel::profile_text("cpu-tiny"),
+            Some(include_str!("profiles/cpu-tiny.toml"))
+        );
     }
 
     #[test]

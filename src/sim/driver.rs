@@ -19,6 +19,7 @@ mod cap;
 mod client;
 mod events;
 mod gate_modes;
+pub mod limit;
 pub mod mode;
 mod parked;
 mod sched_modes;
@@ -189,7 +190,11 @@ pub fn simulate_steps(
             None => spec.build(n)?,
         };
         let m = mode.insert(m);
-        out.push(simulate(sessions, seed, replica()?, m.as_mut())?);
+        let run = simulate(sessions, seed, replica()?, m.as_mut())?;
+        if *spec == ModeSpec::Limit {
+            limit::check_unlimited(&run)?;
+        }
+        out.push(run);
     }
     Ok(out)
 }

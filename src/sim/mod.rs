@@ -40,7 +40,7 @@ pub mod kv_manager;
 pub mod replica;
 pub mod scheduler;
 
-pub use cost::{CostModel, EngineRecord, StepWork};
+pub use cost::{CostModel, EngineRecord, MachineRecord, StepWork};
 pub use replica::{Probes, Replica, ReplicaStats};
 
 /// A block's chained hash: any value that is equal iff the whole prefix up to and including the

@@ -22,6 +22,9 @@ pub struct ReplicaStats {
     pub prefill_tokens: u64,
     /// Requests finished.
     pub finished: u64,
+    /// Cached blocks evicted (their hash dropped to reuse the block): 0 means every prefix
+    /// computed stayed cached.
+    pub evicted_blocks: u64,
 }
 
 /// One modelled vLLM replica.
@@ -157,6 +160,7 @@ impl Replica {
         s.scheduled_tokens += step.work.total_tokens;
         s.prefill_tokens += step.work.prefill_tokens;
         s.finished += outcome.finished.len() as u64;
+        s.evicted_blocks = self.sched.kv.pool.removals();
         self.step_scratch = step;
         Some(outcome)
     }

@@ -16,6 +16,7 @@ import pytest
 from session_gate import _native
 from session_gate.lab.engine.launch import write_tiny_model
 from session_gate.lab.sim import calibrate
+from session_gate.lab.sim import machine as machines
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "example_trace.jsonl"
 
@@ -59,6 +60,10 @@ def test_quick_calibration_writes_a_profile_the_twin_reads(tmp_path):
         "max_num_batched_tokens": 8192,
     }
     assert "[engine]" not in text, "the tiny engine's profile keeps cpu-tiny's form"
+    # The machine the steps were timed on: this one, so comparisons here accept the profile.
+    here = machines.this_machine()
+    assert result["machine"]["vllm_version"] == here["vllm_version"]
+    assert machines.differences(machines.profile_machine(text), here) == []
     saved = json.loads(steps.read_text())["steps"]
     entries = [[tuple(e) for e in s["entries"]] for s in saved]
     predicted = _native.sim_profile_step_times(str(out), text, entries)
@@ -69,11 +74,15 @@ def test_quick_calibration_writes_a_profile_the_twin_reads(tmp_path):
 
     refit = run_calibrate("--from-steps", str(steps), "--out", str(tmp_path / "again.toml"))
     assert refit["coefficients"] == coef
+    assert refit["machine"] == result["machine"], "the steps file keeps their machine"
     # Steps saved before the file recorded its engine (a bare list) were the tiny engine's.
     old = tmp_path / "old-steps.json"
     old.write_text(json.dumps(saved))
     refit = run_calibrate("--from-steps", str(old), "--out", str(tmp_path / "old.toml"))
     assert refit["coefficients"] == coef and refit["replica"] == result["replica"]
+    # ... and did not record their machine: the profile says so (other hardware).
+    assert refit["machine"] is None
+    assert machines.profile_machine((tmp_path / "old.toml").read_text())["known"] is False
 
 
 SHAPE = {"num_blocks": 300, "block_size": 64, "max_num_seqs": 6, "max_num_batched_tokens": 1536}

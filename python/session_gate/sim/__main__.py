@@ -1,6 +1,9 @@
 """``python -m session_gate.sim``: run workloads on the replica twin in every mode and print
 the bench's tables (labelled simulated); write the bench's JSON schema and a PNG; the last line
-is JSON. ``python -m session_gate.sim tune ...`` sweeps the gate's knobs (see its ``--help``).
+is JSON. Every mode's makespan is shown over the best mode's (``regret``) and over the
+workload's limit (``over_limit``: the limit is no gate on the same engine with a GPU cache that
+never runs out, simulated once per workload and profile). ``python -m session_gate.sim tune
+...`` sweeps the gate's knobs (see its ``--help``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from session_gate import report
-from session_gate.modes import DEFAULT_MODES
+from session_gate.modes import DEFAULT_MODES, LIMIT_KIND, Mode
 from session_gate.sim import cli
 from session_gate.sim.twin import profile_label, run_twin
 
@@ -45,10 +48,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(
     args: argparse.Namespace, results: list[Any] | None = None
 ) -> dict[str, list[dict[str, Any]]]:
-    """Every (workload, profile, mode) run, ``args.jobs`` at a time; tables in input order.
-    Each run's ``ModeResult`` is appended to ``results``."""
+    """Every (workload, profile, mode) run and each (workload, profile)'s limit, ``args.jobs``
+    at a time; tables in input order. Each mode run's ``ModeResult`` is appended to
+    ``results``."""
     by_workload: dict[str, list[dict[str, Any]]] = {}
     shape = cli.shape_of(args)
+    limit = Mode.parse(LIMIT_KIND)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         groups = [
             (
@@ -58,19 +63,23 @@ def run(
                     pool.submit(run_twin, workload, mode, profile, args.knobs, shape)
                     for mode in args.mode_list
                 ],
+                # Cached: a `limit` in --modes and this share one run.
+                pool.submit(run_twin, workload, limit, profile, None, shape),
             )
             for workload in args.workloads
             for profile in args.profile
         ]
-        for workload, profile, futures in groups:
+        for workload, profile, futures, limit_run in groups:
             key = f"{workload.name} @ {profile_label(profile)}"
             done = [f.result() for f in futures]
             if results is not None:
                 results += done
             summaries = [r.summary() for r in done]
+            report.add_relative(summaries, limit_run.result().makespan_sec)
             by_workload[key] = summaries
             print(f"{workload.describe()}; profile {profile} (SIMULATED)")
             print("\n" + report.table(summaries))
+            print(report.limit_line(summaries))
             print("\n" + report.turn_latency_table(summaries) + "\n")
             inference = report.inference_lines(summaries)
             if inference:
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         "knobs": args.knobs,
         "seed": args.seed,
         "workloads": by_workload,
+        # Each workload's limit (no gate, a GPU cache that never runs out), in seconds.
+        "limits": {k: v[0].get("limit_makespan_sec") for k, v in by_workload.items() if v},
         "targets": targets,
     }
     with open(args.out, "w") as f:

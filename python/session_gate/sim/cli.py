@@ -43,6 +43,7 @@ def add_common(
         scaled_modes=False,
         results=results,
         sched_modes=True,
+        limit_mode=True,
     )
     p.add_argument(
         "--profile",
@@ -86,4 +87,4 @@ def workloads_of(args: argparse.Namespace) -> list[Workload]:
 
 
 def modes_of(p: argparse.ArgumentParser, text: str) -> list[Mode]:
-    return run_flags.modes_of(p, text, scaled=False, sched=True)
+    return run_flags.modes_of(p, text, scaled=False, sched=True, limit=True)

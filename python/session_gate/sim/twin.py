@@ -1,13 +1,18 @@
 """One mode of one workload on the twin: hand the session specs to the native simulation,
 then build the bench's own ``ModeResult`` from its records, so the bench's ``summary()`` and
-report serve simulated runs unchanged."""
+report serve simulated runs unchanged.
+
+Mode ``limit`` (no gate, the same engine with a GPU cache that never runs out) is simulated
+once per (workload, profile, engine shape) in a process and then served from a cache, since
+every mode's ``over_limit`` asks for it (:func:`limit_makespan`)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
-from session_gate.modes import Mode
+from session_gate.modes import LIMIT_KIND, Mode
 from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import Workload
 
@@ -78,7 +83,20 @@ def run_twin_steps(
 ) -> list[ModeResult]:
     """Consecutive RL steps (``steps[k]`` is step k's workload) with ONE mode object: the
     gate core, and what it learned, lives across steps; the other modes start afresh each
-    step; each step runs on a fresh replica. One result per step, as :func:`run_twin`'s."""
+    step; each step runs on a fresh replica. One result per step, as :func:`run_twin`'s.
+    Mode ``limit`` is simulated once per process for the same steps, profile and shape."""
+    if mode.kind == LIMIT_KIND:
+        return _cached_limit(steps, profile, shape)
+    return _simulate(steps, mode, profile, knobs, shape)
+
+
+def _simulate(
+    steps: list[Workload],
+    mode: Mode,
+    profile: str,
+    knobs: dict[str, Any] | None,
+    shape: dict[str, int] | None,
+) -> list[ModeResult]:
     from session_gate import _native
 
     if mode.scaled:
@@ -96,6 +114,44 @@ def run_twin_steps(
         **replica_shape(steps[0], shape),
     )
     return [_result(w, mode, profile, out) for w, out in zip(steps, outs, strict=True)]
+
+
+#: Limit runs done in this process, by what determines them (:func:`_limit_key`).
+_LIMITS: dict[tuple[Any, ...], list[ModeResult]] = {}
+#: One lock per key, so threads asking for the same limit wait for one run of it.
+_LIMIT_LOCKS: dict[tuple[Any, ...], threading.Lock] = {}
+_LIMITS_GUARD = threading.Lock()
+
+
+def _limit_key(
+    steps: list[Workload], profile: str, shape: dict[str, int] | None
+) -> tuple[Any, ...]:
+    """What a limit run depends on: every step's sessions, the seed, the profile and the
+    engine shape except ``num_blocks`` (the limit replaces it)."""
+    engine = replica_shape(steps[0], shape)
+    engine.pop("num_blocks", None)
+    sessions = tuple(
+        tuple((s[0], s[1], s[2], s[3], tuple(s[4])) for s in native_sessions(w)) for w in steps
+    )
+    return (sessions, steps[0].seed, profile, tuple(sorted(engine.items())))
+
+
+def _cached_limit(
+    steps: list[Workload], profile: str, shape: dict[str, int] | None
+) -> list[ModeResult]:
+    key = _limit_key(steps, profile, shape)
+    with _LIMITS_GUARD:
+        lock = _LIMIT_LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _LIMITS:
+            _LIMITS[key] = _simulate(steps, Mode.parse(LIMIT_KIND), profile, None, shape)
+        return _LIMITS[key]
+
+
+def limit_makespan(workload: Workload, profile: str, shape: dict[str, int] | None = None) -> float:
+    """The workload's limit on ``profile``: the makespan of no gate on the same engine with a
+    GPU cache that never runs out (simulated once per process, then cached)."""
+    return run_twin(workload, Mode.parse(LIMIT_KIND), profile, shape=shape).makespan_sec
 
 
 def _result(workload: Workload, mode: Mode, profile: str, out: dict[str, Any]) -> ModeResult:

@@ -195,6 +195,10 @@ pub trait Mode {
 pub enum ModeSpec {
     /// Every turn goes straight to the replica.
     None,
+    /// [`ModeSpec::None`] on a replica whose cache never runs out (`super::limit`): the
+    /// workload's limit. The caller runs it on [`super::limit::limit_config`]'s shape;
+    /// [`super::simulate_steps`] refuses the run if the replica evicted or preempted anyway.
+    Limit,
     /// At most this many sessions live at once (a slot held for a session's whole life).
     Cap(u32),
     /// The seed's gate: the gate core with `pressure = "engine"` and the other knobs given.
@@ -219,12 +223,14 @@ pub enum ModeSpec {
 }
 
 impl ModeSpec {
-    /// The mode of kind `kind` (`none`, `cap`, `seed`, `gate`, `aimd`, `pause`, `sched`,
-    /// `sched-infer`, `sched-nofinish`), with `cap` sessions for `cap` and the gate knobs `config` for the gates
+    /// The mode of kind `kind` (`none`, `limit`, `cap`, `seed`, `gate`, `aimd`, `pause`,
+    /// `sched`, `sched-infer`, `sched-nofinish`), with `cap` sessions for `cap` and the gate
+    /// knobs `config` for the gates
     /// (`seed` forces `pressure = "engine"`).
     pub fn from_kind(kind: &str, cap: u32, config: GateConfig) -> Result<Self> {
         Ok(match kind {
             "none" => Self::None,
+            super::limit::LIMIT_MODE => Self::Limit,
             "cap" if cap > 0 => Self::Cap(cap),
             "cap" => return Err(Error::InvalidInput("mode cap needs a cap > 0".into())),
             "seed" => Self::Seed(GateConfig {
@@ -239,8 +245,8 @@ impl ModeSpec {
             "sched-nofinish" => Self::SchedNoFinish(config),
             other => {
                 return Err(Error::InvalidInput(format!(
-                    "unknown mode kind `{other}` (expected none, cap, seed, gate, aimd, pause, \
-                     sched, sched-infer or sched-nofinish)"
+                    "unknown mode kind `{other}` (expected none, limit, cap, seed, gate, aimd, \
+                     pause, sched, sched-infer or sched-nofinish)"
                 )));
             }
         })
@@ -249,7 +255,7 @@ impl ModeSpec {
     /// A fresh mode for a run over `sessions` sessions.
     pub fn build(&self, sessions: usize) -> Result<Box<dyn Mode>> {
         Ok(match self {
-            Self::None => Box::new(CapMode::new(None)),
+            Self::None | Self::Limit => Box::new(CapMode::new(None)),
             Self::Cap(n) => Box::new(CapMode::new(Some(*n as usize))),
             Self::Seed(c) | Self::Gate(c) => Box::new(GateMode::new(c.clone(), sessions)?),
             Self::Aimd(c) => Box::new(AimdMode::new(c.clone())?),

@@ -20,6 +20,7 @@ from typing import Any
 from session_gate import report, run_flags
 from session_gate.lab.bench import infer_audit
 from session_gate.lab.bench.runner import run_mode
+from session_gate.lab.sim.machine import this_machine
 from session_gate.modes import DEFAULT_MODES
 from session_gate.workloads import WORKLOADS, Workload
 
@@ -165,7 +166,14 @@ def main(argv: list[str] | None = None) -> None:
         report.write_records(args.records, results)
     targets = report.targets(by_workload)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, CPU vLLM (tiny dummy Llama)"
-    results = {"machine": machine, "seed": args.seed, "workloads": by_workload, "targets": targets}
+    results = {
+        "machine": machine,
+        # What a twin profile compared with these results must have been fitted on.
+        "machine_identity": this_machine(),
+        "seed": args.seed,
+        "workloads": by_workload,
+        "targets": targets,
+    }
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     report.plot(by_workload, args.plot)

@@ -1,5 +1,6 @@
 """The bench matrix's table and plot (``python -m session_gate.lab.bench.matrix``): every
-workload x mode with its regret, real rows beside the twin's, which always say "simulated"."""
+workload x mode with its regret and its makespan over the workload's limit (twin rows; "-"
+where no limit was computed), real rows beside the twin's, which always say "simulated"."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 MATRIX_COLUMNS = (
     ("regret", "regret", "{:.2f}"),
+    ("over_limit", "/limit", "{:.2f}"),
     ("makespan_sec", "makespan s", "{:,.1f}"),
     ("hit_rate", "hit", "{:.3f}"),
     ("ideal_hit_rate", "ideal", "{:.3f}"),
@@ -20,15 +22,22 @@ def _simulated(engine: Any) -> bool:
     return str(engine).startswith("twin:")
 
 
+def _cell(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
 def matrix_table(
     matrix: dict[str, dict[str, dict[str, Any]]],
     worst: dict[str, float],
     partial: dict[str, float] | None = None,
     markdown: bool = False,
+    over_limit: dict[str, float] | None = None,
 ) -> str:
-    """Every workload x mode with its regret (makespan over the workload's best), then each
-    mode's worst-case regret (``partial``: modes that did not run on every workload). Twin rows
-    say "simulated", repeated real rows how many runs their medians are over."""
+    """Every workload x mode with its regret (makespan over the workload's best) and its
+    makespan over the workload's limit (``/limit``), then each mode's worst-case regret
+    (``partial``: modes that did not run on every workload) and worst ``over_limit`` (over
+    the rows with a limit). Twin rows say "simulated", repeated real rows how many runs their
+    medians are over."""
     head = ["workload", "engine", "mode"] + [h for _, h, _ in MATRIX_COLUMNS]
     rows = []
     for workload, modes in matrix.items():
@@ -37,7 +46,7 @@ def matrix_table(
             if r.get("runs", 1) > 1:
                 engine += f" (median of {r['runs']})"
             rows.append(
-                [workload, engine, mode] + [fmt.format(r[k]) for k, _, fmt in MATRIX_COLUMNS]
+                [workload, engine, mode] + [_cell(r.get(k), fmt) for k, _, fmt in MATRIX_COLUMNS]
             )
     worst_line = "worst-case regret (modes run on every workload): " + ", ".join(
         f"{m} {v:.2f}" for m, v in worst.items()
@@ -45,6 +54,12 @@ def matrix_table(
     if partial:
         worst_line += "; on the workloads they ran on: " + ", ".join(
             f"{m} {v:.2f}" for m, v in partial.items()
+        )
+    if over_limit:
+        worst_line += (
+            "\nworst makespan over the limit (rows with a limit: no gate, the same engine with a "
+            "GPU cache that never runs out; a floor no finite cache reaches): "
+            + ", ".join(f"{m} {v:.2f}" for m, v in over_limit.items())
         )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -63,7 +78,8 @@ def matrix_table(
 
 
 def matrix_plot(matrix: dict[str, dict[str, dict[str, Any]]], path: str) -> None:
-    """One panel per workload: each mode's regret (bars) and hit rate (dots)."""
+    """One panel per workload: each mode's regret (bars), makespan over the limit (crosses,
+    where there is one) and hit rate (dots)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,11 +95,15 @@ def matrix_plot(matrix: dict[str, dict[str, dict[str, Any]]], path: str) -> None
         colors = ["tab:green" if m == "gate" else "tab:gray" for m in names]
         ax.bar(names, regrets, color=colors)
         ax.axhline(1.05, color="tab:red", ls="--", lw=1, label="regret 1.05")
-        ax.set_ylim(0.9, max(regrets) * 1.1)
+        limits = [modes[m].get("over_limit") for m in names]
+        if any(v is not None for v in limits):
+            shown = [float("nan") if v is None else v for v in limits]
+            ax.plot(names, shown, "x", color="k", label="makespan / limit")
+        ax.set_ylim(0.9, max(regrets + [v for v in limits if v is not None]) * 1.1)
         engine = next(iter(modes.values()))["engine"]
         label = f"{engine}, SIMULATED" if _simulated(engine) else f"{engine}, measured"
         ax.set_title(f"{workload} ({label})", fontsize=9)
-        ax.set_ylabel("makespan / best mode's")
+        ax.set_ylabel("makespan / best mode's (x: / limit)")
         ax.tick_params(axis="x", rotation=45)
         hit = ax.twinx()
         hit.plot(names, [modes[m]["hit_rate"] for m in names], "o", color="tab:blue")

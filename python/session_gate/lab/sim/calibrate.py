@@ -16,7 +16,11 @@ Rust ``StepWork``); prints the fit error; and writes the profile TOML, which it 
 through the Rust parser to check it. The
 profile's ``[replica]`` is the shape the engine really got (vLLM sizes the KV cache from
 ``gpu_memory_utilization`` unless ``--num-gpu-blocks`` sets it) and its ``[engine]`` table
-records the model, dtype, tensor parallelism, device and vLLM version.
+records the model, dtype, tensor parallelism, device and vLLM version, and its ``[machine]``
+table the machine the steps were timed on (``session_gate.lab.sim.machine``: CPU model, CPUs,
+instruction-set flags, vLLM version), which every comparison of the twin with a real engine
+checks first. ``--machine-local`` writes the profile outside the checkout, where those
+comparisons look for this machine's fit (``~/.cache/session-gate/profiles/<name>.toml``).
 
 The last line printed is JSON: the coefficients and the fit error.
 """
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from session_gate import _native
+from session_gate.lab.sim import machine as machines
 
 #: Fitted coefficients, in the order of ``StepWork::features`` (weights_sec is not fitted).
 NAMES = ("step_sec", "per_seq_sec", "per_token_sec", "prefill_attn_sec", "decode_ctx_sec")
@@ -107,9 +112,38 @@ def fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return nnls(features, seconds)
 
 
-def profile_toml(coef: np.ndarray, note: str, name: str, engine: dict[str, Any]) -> str:
+#: A fit worse than this is reported as poor: a least-squares fit in seconds with a fixed
+#: per-step term puts the total within a few percent, and the shipped fit's per-step mean
+#: error was 20.7%; on 2026-12-06 a fit timed while other engines loaded the same 2 CPUs
+#: reached 149.8% per step and +10.7% in total (NNLS dropped the fixed terms).
+POOR_TOTAL_ERROR = 0.05
+POOR_STEP_ERROR = 0.5
+
+
+def fit_warning(step_mean_abs_error: float, total_time_error: float) -> str | None:
+    """A warning when the fit is poor (its steps were likely timed under other load), else
+    None."""
+    if abs(total_time_error) <= POOR_TOTAL_ERROR and step_mean_abs_error <= POOR_STEP_ERROR:
+        return None
+    return (
+        f"calibrate: WARNING: a poor fit (per-step mean abs error {step_mean_abs_error:.1%}, "
+        f"total-time error {total_time_error:+.1%}): the steps were probably timed while other "
+        "work loaded the machine; time them again on a quiet machine (--repeats 3) before "
+        "trusting the twin's step times"
+    )
+
+
+def profile_toml(
+    coef: np.ndarray,
+    note: str,
+    name: str,
+    engine: dict[str, Any],
+    machine: dict[str, Any] | None = None,
+) -> str:
     """The profile's text. ``engine`` is the engine's record (its shape and, for a calibrated
-    engine, the ``[engine]`` fields); without a model in it, the bench's tiny engine."""
+    engine, the ``[engine]`` fields); without a model in it, the bench's tiny engine.
+    ``machine`` is the identity of the machine the steps were timed on
+    (``machine.this_machine()``; None: unknown, so the profile counts as other hardware)."""
     tiny = "model" not in engine
     if tiny:
         header = [
@@ -177,6 +211,7 @@ def profile_toml(coef: np.ndarray, note: str, name: str, engine: dict[str, Any])
             else:
                 lines.append(f"{key} = {_toml_str(str(value))}")
         lines.append("")
+    lines += [*machines.machine_table(machine), ""]
     lines.append("[cost]")
     values = dict(zip(NAMES, coef, strict=True))
     for key in ("step_sec", "per_seq_sec", "per_token_sec"):
@@ -335,6 +370,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="cpu-tiny.toml", help="where to write the profile TOML")
     p.add_argument(
+        "--machine-local",
+        action="store_true",
+        help="write the profile where comparisons with the real engine look for this machine's "
+        "fit, outside the checkout: $SESSION_GATE_CACHE or ~/.cache/session-gate, "
+        "profiles/<name>.toml (replaces --out)",
+    )
+    p.add_argument(
         "--name",
         help="the profile's name (default: cpu-tiny for the tiny engine, else --out's stem)",
     )
@@ -380,6 +422,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"--max-prompt ({args.max_prompt}) must be below --max-model-len "
             f"({args.max_model_len}): the prompt and its outputs have to fit"
         )
+    if args.machine_local and args.model is not None and not args.name:
+        p.error("--machine-local with --model: name the profile (--name), its file's name")
     if args.model is None and args.load_format not in (None, "dummy"):
         p.error(f"--load-format {args.load_format}: the tiny model has no weights (give --model)")
     args.command = "python -m session_gate.lab.sim.calibrate " + shlex.join(
@@ -394,23 +438,25 @@ def _engine_spec(args: argparse.Namespace) -> Any:
     return EngineSpec(**{dest: getattr(args, dest) for _, dest, _ in ENGINE_FLAGS})
 
 
-def _load_steps(path: str) -> tuple[list[_Step], dict[str, Any]]:
-    """Steps saved by ``--steps-json``: ``{"engine": ..., "steps": [...]}``, or a bare list of
-    steps (older files, timed on the tiny engine)."""
+def _load_steps(path: str) -> tuple[list[_Step], dict[str, Any], dict[str, Any] | None]:
+    """Steps saved by ``--steps-json``: ``{"engine": ..., "machine": ..., "steps": [...]}``, or
+    a bare list of steps (older files, timed on the tiny engine); the machine is None when the
+    file does not say (older files)."""
     with open(path) as f:
         data = json.load(f)
-    engine = dict(TINY_ENGINE)
+    engine, machine = dict(TINY_ENGINE), None
     if isinstance(data, dict):
-        engine, data = data["engine"], data["steps"]
+        engine, machine, data = data["engine"], data.get("machine"), data["steps"]
     steps = [_Step(d["scenario"], d["seconds"], [tuple(e) for e in d["entries"]]) for d in data]
-    return steps, engine
+    return steps, engine, machine
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.from_steps:
-        steps, engine = _load_steps(args.from_steps)
+        steps, engine, machine = _load_steps(args.from_steps)
     else:
+        machine = machines.this_machine()
         from session_gate.lab.engine.step_timing import (
             EngineRefused,
             calibration_scenarios,
@@ -448,12 +494,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine = {k: engine[k] for k in TINY_ENGINE}
         else:
             engine["command"] = args.command
+        if engine.get("vllm_version"):
+            # The engine's own word for its version (the distribution's is the same release).
+            machine["vllm_version"] = engine["vllm_version"]
     if not steps:
         raise SystemExit("calibrate: no steps were timed (is --max-model-len too short?)")
     if args.steps_json:
         with open(args.steps_json, "w") as f:
-            json.dump({"engine": engine, "steps": [vars(s) for s in steps]}, f)
+            payload = {"engine": engine, "machine": machine, "steps": [vars(s) for s in steps]}
+            json.dump(payload, f)
     name = args.name or ("cpu-tiny" if "model" not in engine else Path(args.out).stem)
+    if args.machine_local:
+        args.out = str(machines.local_profile(name))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     feats = np.array([_native.sim_step_features(s.entries) for s in steps])
     secs = np.array([s.seconds for s in steps])
     coef = fit(feats, secs)
@@ -472,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{len(steps)} steps, {today}, per-step mean abs error {rel.mean():.1%}, "
         f"total-time error {total_err:+.1%}"
     )
-    text = profile_toml(coef, note, name, engine)
+    text = profile_toml(coef, note, name, engine, machine)
     # Read it back through the Rust parser: the same predictions, or the file is wrong.
     check = np.array(_native.sim_profile_step_times(args.out, text, [s.entries for s in steps]))
     assert np.allclose(check, pred, rtol=1e-4, atol=1e-9), "profile does not reproduce the fit"
@@ -495,11 +548,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         + ", ".join(f"{k} {v}" for k, v in shape.items())
     )
     print(f"wrote {args.out}")
+    poor = fit_warning(float(rel.mean()), float(total_err))
+    if poor:
+        print(poor, file=sys.stderr)
     result = {
         "profile": name,
         "out": args.out,
         "replica": shape,
         "engine": {k: engine[k] for k in ENGINE_KEYS if engine.get(k) is not None},
+        "machine": machine,
         "steps": len(steps),
         "coefficients": dict(zip(NAMES, map(float, coef), strict=True)),
         "step_mean_abs_error": float(rel.mean()),

@@ -1,15 +1,24 @@
 """``python -m session_gate.lab.sim.fidelity`` (``make sim-fidelity``): the twin against the real
 CPU engine on the same workloads and modes.
 
-Runs the real thrash benchmark (``session_gate.lab.bench``'s own machinery: one CPU vLLM engine,
-the ``default`` and ``mixed`` workloads, modes none, cap4, cap8, seed, gate) — or reads
-results files the bench wrote (``--real-json``; a mode measured in several files is compared by
-its mean, since the real engine's hit rate and makespan vary run to run) — then the twin on
-the ``cpu-tiny`` profile with the same workloads, modes and seed, and prints per mode: the
-hit-rate error (absolute), the prefill-token error (%), the error of the makespan ratio to
-``none`` (%), and whether the modes come out in the same order by makespan. The last line is
-JSON with the largest errors and whether issue 9's targets hold (hit rate within 0.03, prefill
-tokens within 10%, makespan ratio to ``none`` within 15%, same ordering).
+Runs the real thrash benchmark (``session_gate.lab.bench``'s own machinery: one CPU vLLM
+engine, the ``default`` and ``mixed`` workloads, modes none, cap4, cap8, seed, aimd, pause,
+gate) — or reads results files the bench wrote (``--real-json``; a mode measured in several
+files is compared by its mean, since the real engine's hit rate and makespan vary run to run) —
+then the twin on the ``cpu-tiny`` profile with the same workloads, modes and seed, and prints
+per mode: the hit-rate error (absolute), the prefill-token error (%), the error of the makespan
+ratio to ``none`` (%), and whether the modes come out in the same order by makespan. The last
+line is JSON with the largest errors and whether issue 9's targets hold (hit rate within 0.03,
+prefill tokens within 10%, makespan ratio to ``none`` within 15%, same ordering).
+
+The twin's step times are the profile's machine's, so it calibrates first: a profile fitted on
+other hardware (its ``[machine]`` table against this machine, ``session_gate.lab.sim.machine``;
+the shipped ``cpu-tiny`` does not know its machine) is refused with the command that fits one
+here, unless a profile fitted on this machine sits in the machine-local cache
+(``~/.cache/session-gate/profiles/``, written by ``make sim-calibrate``), which is then used.
+``--calibrate`` (``make sim-fidelity``) runs that calibration when there is none;
+``--other-hardware`` compares anyway, the result marked so. With ``--real-json`` the real
+results' own machine (``machine_identity``, when the files record it) is the one that must match.
 
 ``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
 (``session_gate.lab.engine.step_timing.StepLog``: per iteration its prefill and decode requests and
@@ -23,20 +32,41 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from session_gate import run_flags
+from session_gate.lab.sim import machine as machines
 from session_gate.sim.twin import run_twin
 from session_gate.workloads import WORKLOADS
 
-MODES = "none,cap4,cap8,seed,gate"
+#: Every mode both sides run, the production baselines (literal constants) included: issue
+#: 29 judges the twin on every mode of this check.
+MODES = "none,cap4,cap8,seed,aimd,pause,gate"
 TARGETS = {"hit_rate_abs": 0.03, "prefill_tokens_rel": 0.10, "makespan_ratio_rel": 0.15}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m session_gate.lab.sim.fidelity", description=__doc__)
     run_flags.add_run_flags(p, workloads=WORKLOADS, modes=MODES, scaled_modes=False)
-    p.add_argument("--profile", default="cpu-tiny")
+    p.add_argument(
+        "--profile",
+        default="cpu-tiny",
+        help="a built-in profile (its machine-local fit is used when there is one) or a TOML "
+        "file; it must have been fitted on the real engine's machine (default cpu-tiny)",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="when the profile was fitted on other hardware and no machine-local fit exists, "
+        "fit one first (python -m session_gate.lab.sim.calibrate --machine-local; minutes)",
+    )
+    p.add_argument(
+        "--other-hardware",
+        action="store_true",
+        help="compare even with a profile fitted on other hardware (the errors then include "
+        "the hardware's; the result says so)",
+    )
     p.add_argument(
         "--real-json",
         nargs="+",
@@ -65,6 +95,88 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class OtherHardware(SystemExit):
+    """The profile was fitted on other hardware than the real engine's: the message says how
+    to calibrate."""
+
+
+def _profile_text(profile: str) -> str:
+    from session_gate import _native
+
+    if profile in _native.sim_profile_names():
+        return _native.sim_profile_text(profile)
+    with open(profile) as f:
+        return f.read()
+
+
+def refusal(profile: str, diffs: list[str]) -> str:
+    """Why a comparison with profile ``profile`` is refused, and how to calibrate."""
+    local = machines.local_profile(Path(profile).stem)
+    return (
+        f"sim-fidelity: profile {profile} was fitted on other hardware ({'; '.join(diffs)}), so "
+        "the twin would predict that machine's step times and its errors against this engine "
+        "would be the hardware's. Calibrate on this machine first: `make sim-fidelity` does it "
+        f"(`python -m session_gate.lab.sim.calibrate --machine-local` writes {local}, a few "
+        "minutes; later comparisons use it), or pass --calibrate, or --profile a TOML fitted "
+        "here; --other-hardware compares anyway."
+    )
+
+
+def resolve_profile(
+    profile: str,
+    real_machine: dict[str, Any],
+    *,
+    calibrate: bool = False,
+    other_hardware: bool = False,
+) -> tuple[str, list[str]]:
+    """The profile to compare with a real engine on ``real_machine``, and how its machine
+    differs (empty: the same hardware). A built-in profile's machine-local fit is preferred
+    when it matches; a profile fitted elsewhere is refused (:class:`OtherHardware`), or first
+    re-fitted here with ``calibrate``, or kept with ``other_hardware``."""
+    diffs = machines.differences(machines.profile_machine(_profile_text(profile)), real_machine)
+    if not diffs:
+        return profile, []
+    from session_gate import _native
+
+    builtin = profile in _native.sim_profile_names()
+    local = machines.local_profile(profile) if builtin else None
+    if local is not None and local.is_file():
+        local_diffs = machines.differences(
+            machines.profile_machine(local.read_text()), real_machine
+        )
+        if not local_diffs:
+            print(f"using {local}: {profile} fitted on this machine", flush=True)
+            return str(local), []
+        diffs = [*diffs, f"and its machine-local fit {local}: {'; '.join(local_diffs)}"]
+    if other_hardware:
+        return profile, diffs
+    if calibrate and local is not None and real_machine == machines.this_machine():
+        from session_gate.lab.sim import calibrate as calibration
+
+        print(f"{profile} was fitted on other hardware ({'; '.join(diffs)}): calibrating here")
+        calibration.main(["--machine-local", "--name", profile])
+        return str(local), []
+    raise OtherHardware(refusal(profile, diffs))
+
+
+def real_machine(args: argparse.Namespace) -> dict[str, Any]:
+    """The machine the real results come from: this one, or with ``--real-json`` the one the
+    files record (all must agree; a file without one is taken as measured here)."""
+    here = machines.this_machine()
+    if not args.real_json:
+        return here
+    seen = []
+    for path in args.real_json:
+        with open(path) as f:
+            seen.append(json.load(f).get("machine_identity") or here)
+    if any(m != seen[0] for m in seen):
+        raise SystemExit(
+            "sim-fidelity: the --real-json files were measured on different machines; "
+            "compare each machine's files with a profile fitted there"
+        )
+    return seen[0]
+
+
 def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     if args.real_json:
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -85,7 +197,8 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     else:
         by_workload = asyncio.run(bench.run(args))
     with open(args.real_out, "w") as f:
-        json.dump({"seed": args.seed, "workloads": by_workload}, f, indent=2)
+        out = {"seed": args.seed, "machine_identity": machines.this_machine()}
+        json.dump({**out, "workloads": by_workload}, f, indent=2)
     return by_workload
 
 
@@ -164,9 +277,9 @@ def compare(real: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str,
     }
 
 
-def table(workload: str, c: dict[str, Any]) -> str:
+def table(workload: str, c: dict[str, Any], profile: str = "cpu-tiny") -> str:
     lines = [
-        f"{workload}: twin (SIMULATED, cpu-tiny) vs real CPU engine (measured)",
+        f"{workload}: twin (SIMULATED, {profile}) vs real CPU engine (measured)",
         f"{'mode':<6} {'hit real':>8} {'twin':>6} {'err':>7}  {'prefill real':>12} {'twin':>9} "
         f"{'err %':>7}  {'span/none real':>14} {'twin':>6} {'err %':>7}  real runs: hit range",
     ]
@@ -207,18 +320,28 @@ def verdict(comparisons: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # Before any engine starts: a profile from other hardware is refused (or re-fitted) first.
+    profile, diffs = resolve_profile(
+        args.profile,
+        real_machine(args),
+        calibrate=args.calibrate,
+        other_hardware=args.other_hardware,
+    )
+    if diffs:
+        print(f"WARNING: {args.profile} was fitted on other hardware: {'; '.join(diffs)}")
     real = real_results(args)
     comparisons = {}
     for workload in args.workloads:
         name = workload.name
-        twin = [run_twin(workload, m, args.profile).summary() for m in args.mode_list]
+        twin = [run_twin(workload, m, profile).summary() for m in args.mode_list]
         comparisons[name] = compare(real[name], twin)
-        print("\n" + table(name, comparisons[name]), flush=True)
+        print("\n" + table(name, comparisons[name], profile), flush=True)
     result = verdict(comparisons)
+    head = {"profile": profile, "other_hardware": diffs}
     with open(args.out, "w") as f:
-        json.dump({"profile": args.profile, "comparisons": comparisons, **result}, f, indent=2)
+        json.dump({**head, "comparisons": comparisons, **result}, f, indent=2)
     print(f"\nwrote {args.out}")
-    print(json.dumps({"profile": args.profile, **result}))
+    print(json.dumps({**head, **result}))
 
 
 if __name__ == "__main__":
