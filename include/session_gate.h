@@ -129,8 +129,10 @@ typedef int32_t sg_reason;
 #define SG_REASON_RESIDENT_PREFIX 3
 /** The attempt waited `max_wait_sec`. */
 #define SG_REASON_MAX_WAIT 4
+/** Under pressure; GPU-resident plus host-tier (offloaded) prefix tokens reach hit_threshold. */
+#define SG_REASON_OFFLOADED_PREFIX 5
 /** Number of reasons; `sg_stats.admissions` is indexed by `sg_reason`. */
-#define SG_REASON_COUNT 5
+#define SG_REASON_COUNT 6
 
 /** The label of a reason, e.g. "resident_prefix": static, NUL-terminated; NULL if unknown. */
 const char *sg_reason_name(sg_reason reason);

@@ -198,6 +198,7 @@ pub(crate) fn reason_code(r: Reason) -> sys::sg_reason {
         Reason::PrefixProbeUnavailable => sys::SG_REASON_PREFIX_PROBE_UNAVAILABLE,
         Reason::ResidentPrefix => sys::SG_REASON_RESIDENT_PREFIX,
         Reason::MaxWait => sys::SG_REASON_MAX_WAIT,
+        Reason::OffloadedPrefix => sys::SG_REASON_OFFLOADED_PREFIX,
     }
 }
 

@@ -29,6 +29,7 @@ pub extern "C" fn sg_reason_name(reason: sg_reason) -> *const c_char {
             sys::SG_REASON_PREFIX_PROBE_UNAVAILABLE => c"prefix_probe_unavailable",
             sys::SG_REASON_RESIDENT_PREFIX => c"resident_prefix",
             sys::SG_REASON_MAX_WAIT => c"max_wait",
+            sys::SG_REASON_OFFLOADED_PREFIX => c"offloaded_prefix",
             _ => return std::ptr::null(),
         };
         name.as_ptr()

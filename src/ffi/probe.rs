@@ -99,6 +99,7 @@ impl Probe for CallbackProbe {
                     .has_num_cached_free_blocks
                     .then_some(u.num_cached_free_blocks),
                 block_size: u.block_size,
+                ..Default::default()
             })
         })
     }
@@ -134,6 +135,7 @@ impl Probe for CallbackProbe {
                 hit_blocks: p.hit_blocks,
                 hit_tokens: p.hit_tokens,
                 prompt_tokens: p.prompt_tokens,
+                ..Default::default()
             })
         })
     }

@@ -783,6 +783,7 @@ mod tests {
                 num_free_blocks: ((1.0 - self.usage) * 100.0) as u64,
                 num_cached_free_blocks: None,
                 block_size: 16,
+                ..Default::default()
             })
         }
         fn prefix(&mut self, _: &str, _: &()) -> (std::result::Result<PrefixReport, String>, f64) {

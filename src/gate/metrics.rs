@@ -63,7 +63,7 @@ pub struct ProbeStats {
 #[non_exhaustive]
 pub struct GateStats {
     /// Admissions per reason, indexed by [`Reason::index`].
-    pub admissions: [u64; 5],
+    pub admissions: [u64; Reason::ALL.len()],
     /// Attempts begun.
     pub attempts: u64,
     /// Reservations revoked by age order (reason `revoked`).
@@ -107,7 +107,7 @@ impl GateStats {
             failures: 0,
         };
         Self {
-            admissions: [0; 5],
+            admissions: [0; Reason::ALL.len()],
             attempts: 0,
             revocations: 0,
             preemptions: 0,

@@ -17,6 +17,7 @@ pub fn usage_report(usage: f64, num_blocks: u64, block_size: u64) -> UsageReport
         num_free_blocks: num_blocks.saturating_sub(used),
         num_cached_free_blocks: None,
         block_size,
+        ..Default::default()
     }
 }
 
@@ -134,6 +135,7 @@ impl Probe for ScriptedProbe {
                     hit_blocks: 0,
                     hit_tokens,
                     prompt_tokens,
+                    offloaded_tokens: None,
                 })
             }
             Behaviour::Fail(m) => Behaviour::Fail(m),

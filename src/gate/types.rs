@@ -26,16 +26,21 @@ pub enum Reason {
     ResidentPrefix,
     /// The attempt waited `max_wait_sec`.
     MaxWait,
+    /// Under pressure; the prefix is not GPU-resident enough, but the GPU-resident tokens plus
+    /// the tokens the host KV tier holds for it reach `hit_threshold` (it reloads at PCIe speed
+    /// instead of being recomputed), and its working set fits the whole cache.
+    OffloadedPrefix,
 }
 
 impl Reason {
     /// Every reason, in the order used by [`GateStats::admissions`](super::GateStats::admissions).
-    pub const ALL: [Reason; 5] = [
+    pub const ALL: [Reason; 6] = [
         Reason::Open,
         Reason::ReservedSession,
         Reason::PrefixProbeUnavailable,
         Reason::ResidentPrefix,
         Reason::MaxWait,
+        Reason::OffloadedPrefix,
     ];
 
     /// The label used in leases, stats and metrics, e.g. `"reserved_session"`.
@@ -46,6 +51,7 @@ impl Reason {
             Reason::PrefixProbeUnavailable => "prefix_probe_unavailable",
             Reason::ResidentPrefix => "resident_prefix",
             Reason::MaxWait => "max_wait",
+            Reason::OffloadedPrefix => "offloaded_prefix",
         }
     }
 
@@ -100,6 +106,10 @@ pub struct UsageReport {
     pub num_cached_free_blocks: Option<u64>,
     /// Tokens per block.
     pub block_size: u64,
+    /// The host KV tier's capacity, in GPU blocks; `None` = no readable tier.
+    pub offload_num_blocks: Option<u64>,
+    /// GPU blocks' worth of KV the host tier holds now; `None` = no readable tier.
+    pub offload_used_blocks: Option<u64>,
 }
 
 impl UsageReport {
@@ -129,6 +139,9 @@ pub struct PrefixReport {
     pub hit_tokens: u64,
     /// Prompt length the engine saw.
     pub prompt_tokens: u64,
+    /// Tokens after `hit_tokens` that the host KV tier holds for this prompt and would load;
+    /// `None` when there is no readable tier.
+    pub offloaded_tokens: Option<u64>,
 }
 
 impl PrefixReport {

@@ -104,6 +104,7 @@ impl HttpProbe {
                 Some(_) => Some(u64_field(&v, "num_cached_free_blocks")?),
             },
             block_size: u64_field(&v, "block_size")?,
+            ..Default::default()
         };
         *self.last_usage.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         Ok(report)
@@ -133,6 +134,7 @@ impl HttpProbe {
             hit_blocks: u64_field(&v, "hit_blocks")?,
             hit_tokens: u64_field(&v, "hit_tokens")?,
             prompt_tokens: u64_field(&v, "prompt_tokens")?,
+            ..Default::default()
         })
     }
 

@@ -115,6 +115,7 @@ impl Probes<'_, '_> {
             num_free_blocks,
             num_cached_free_blocks: None,
             block_size: self.block_size,
+            ..Default::default()
         })
     }
 
@@ -141,6 +142,7 @@ impl Probes<'_, '_> {
             hit_blocks: field(p, intern!(py, "hit_blocks"))?.extract()?,
             hit_tokens: field(p, intern!(py, "hit_tokens"))?.extract()?,
             prompt_tokens: field(p, intern!(py, "prompt_tokens"))?.extract()?,
+            ..Default::default()
         })
     }
 }

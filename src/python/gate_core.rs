@@ -106,6 +106,7 @@ fn reason_str(py: Python<'_>, reason: Reason) -> Py<PyString> {
         Reason::PrefixProbeUnavailable => intern!(py, "prefix_probe_unavailable"),
         Reason::ResidentPrefix => intern!(py, "resident_prefix"),
         Reason::MaxWait => intern!(py, "max_wait"),
+        Reason::OffloadedPrefix => intern!(py, "offloaded_prefix"),
     };
     s.clone().unbind()
 }
@@ -234,6 +235,7 @@ impl PyGateCore {
                 num_free_blocks,
                 num_cached_free_blocks,
                 block_size,
+                ..Default::default()
             };
             Ok(self
                 .core
@@ -266,6 +268,7 @@ impl PyGateCore {
                 hit_blocks,
                 hit_tokens,
                 prompt_tokens,
+                ..Default::default()
             };
             Ok(self
                 .core

@@ -20,7 +20,11 @@
 //!    when usage < watermark and idle reservations may yield enough room (see "Yielding idle
 //!    room").
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
-//!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
+//!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`; else, when the
+//!    engine has a readable host KV tier, `(hit_tokens + offloaded_tokens) ÷ prompt_tokens ≥
+//!    hit_threshold` and `committed + ws ≤ num_blocks` → `offloaded_prefix` (the prefix
+//!    reloads over PCIe in milliseconds instead of being recomputed: warm at its reload
+//!    cost). A report with `offloaded_tokens: None` (no tier) never gives it.
 //! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
 //!
 //! Every admission takes (or renews) the session's reservation.
@@ -144,7 +148,9 @@ enum Phase {
 enum Hit {
     NotAsked,
     Unavailable,
-    Ratio(f64),
+    /// The GPU-resident hit ratio, and the ratio of GPU-resident plus host-tier tokens when
+    /// the engine has a readable host tier.
+    Ratio(f64, Option<f64>),
 }
 
 #[derive(Debug)]
@@ -182,6 +188,16 @@ enum Step {
     Prefix,
     Wait,
     Restart,
+}
+
+/// GPU-resident plus host-tier tokens over the prompt, when the report has a tier.
+fn tiered_ratio(r: &PrefixReport) -> Option<f64> {
+    let offloaded = r.offloaded_tokens?;
+    if r.prompt_tokens == 0 {
+        return Some(r.hit_ratio);
+    }
+    let tiered = (r.hit_tokens + offloaded) as f64 / r.prompt_tokens as f64;
+    Some(tiered.clamp(r.hit_ratio, 1.0))
 }
 
 /// The sans-IO admission gate. See the module docs for the decision tree, FIFO and waking.
@@ -387,7 +403,7 @@ impl GateCore {
             return Ok(());
         }
         a.hit = match report {
-            Ok(r) if r.problem().is_none() => Hit::Ratio(r.hit_ratio),
+            Ok(r) if r.problem().is_none() => Hit::Ratio(r.hit_ratio, tiered_ratio(&r)),
             _ => Hit::Unavailable,
         };
         a.phase = Phase::DecidePrefix;
@@ -680,7 +696,7 @@ impl GateCore {
             usage: a.usage,
             pressure,
             hit_ratio: match a.hit {
-                Hit::Ratio(h) => Some(h),
+                Hit::Ratio(h, _) => Some(h),
                 _ => None,
             },
             retain_session: a.retain,
