@@ -53,6 +53,17 @@
 //! default 60 s, sessions whose tools return within 30 s, and within twice the usual return
 //! gap, never lose their room to a waiter.
 //!
+//! **With a host KV tier** the yield rule is the same. Yielding an idle room at once when the
+//! engine has a tier (its prefix would reload rather than be recomputed) was measured on the
+//! twin (`docs/lab-notes/host-tier.md`): it loses 50% of makespan where the tier cannot hold
+//! the working sets (32B, 512 GiB: the yielded prefixes leave the tier before their sessions
+//! return) and wins 3% where it can; yielding after one turn time changes nothing. Admitting
+//! everything `open` while the tier is not full was measured too and not kept either: it
+//! wins up to 8% while the tier holds the working sets but loses 2–3% on others, and a tier
+//! fills up once and then stays full (its LRU evicts only to store), so in a long-running
+//! engine it would do nothing. A prefix that did leave the GPU but sits in the tier comes back
+//! as `offloaded_prefix` (step 3).
+//!
 //! Idle reservations that may yield also go before a revocation (step 1): when a returning
 //! session's grown working set would revoke it, idle rooms that may yield are dropped first if
 //! that lets it keep its own.
