@@ -572,6 +572,7 @@ async def test_stats_and_prometheus_report_admissions_by_reason():
         "prefix_probe_unavailable": 0,
         "resident_prefix": 1,
         "max_wait": 0,
+        "offloaded_prefix": 0,
     }
     assert s["attempts"] == 2 and s["pending"] == 0
     assert s["wait_sec"]["count"] == 2
