@@ -129,8 +129,9 @@ typedef int32_t sg_reason;
 #define SG_REASON_RESIDENT_PREFIX 3
 /** The attempt waited `max_wait_sec`. */
 #define SG_REASON_MAX_WAIT 4
-/** Under pressure, and the session's prefix is back at its reload cost: on the GPU or in the
- * host KV tier (`sg_prefix.offloaded_tokens`), and its GPU blocks fit. */
+/** Under pressure; the GPU-resident plus host-tier prefix tokens (`sg_prefix.offloaded_tokens`)
+ * reach hit_threshold (it reloads instead of being recomputed), and its working set fits the
+ * whole cache. */
 #define SG_REASON_OFFLOADED_PREFIX 5
 /** Number of reasons; `sg_stats.admissions` is indexed by `sg_reason`. */
 #define SG_REASON_COUNT 6

@@ -190,6 +190,61 @@ fn resident_prefix_admits_a_cold_session_under_pressure() {
     assert_eq!(c.stats().committed_blocks, 100);
 }
 
+/// A probe answer of a 320-token prompt with `gpu` tokens GPU-resident and `offloaded` more in
+/// the host tier (`None`: no readable tier).
+fn tiered(gpu: u64, offloaded: Option<u64>) -> Result<PrefixReport, String> {
+    Ok(PrefixReport {
+        hit_ratio: gpu as f64 / 320.0,
+        hit_blocks: gpu / BS as u64,
+        hit_tokens: gpu,
+        prompt_tokens: 320,
+        offloaded_tokens: offloaded,
+    })
+}
+
+#[test]
+fn a_prefix_in_the_host_tier_is_admitted_as_offloaded_prefix_when_it_fits() {
+    let mut c = core();
+    turn(&mut c, "big", 80, false, 0.0);
+    // 32 GPU-resident + 256 offloaded of 320 = 0.9 >= 0.7: admitted, and committed.
+    let id = c.begin("warm", tokens(20), 0, false, 1.0);
+    let run = drive(&mut c, id, 1.0, usage(0.5), tiered(32, Some(256)));
+    assert_eq!(run.reason(), Reason::OffloadedPrefix);
+    assert_eq!(run.admitted().hit_ratio, Some(0.1));
+    assert!(run.admitted().reserved);
+    assert_eq!(c.stats().committed_blocks, 100);
+    assert_eq!(c.stats().admitted(Reason::OffloadedPrefix), 1);
+}
+
+#[test]
+fn offloaded_prefix_needs_the_tier_the_threshold_and_room() {
+    // No tier: the same GPU hit waits, as before tiers existed.
+    let mut c = core();
+    turn(&mut c, "big", 80, false, 0.0);
+    let id = c.begin("warm", tokens(20), 0, false, 1.0);
+    let run = drive(&mut c, id, 1.0, usage(0.5), tiered(32, None));
+    assert!(matches!(run.action, Action::Wait { .. }));
+    // Too little in the tier: (32 + 160) / 320 = 0.6 < 0.7.
+    let id = c.begin("lukewarm", tokens(20), 0, false, 1.0);
+    let run = drive(&mut c, id, 1.0, usage(0.5), tiered(32, Some(160)));
+    assert!(matches!(run.action, Action::Wait { .. }));
+    // Enough in the tier but no room in the whole cache: 90 + 11 > 100.
+    let mut c = core();
+    turn(&mut c, "big", 90, false, 0.0);
+    let id = c.begin("warm", tokens(11), 0, false, 1.0);
+    let run = drive(&mut c, id, 1.0, usage(0.5), tiered(0, Some(320)));
+    assert!(matches!(run.action, Action::Wait { .. }));
+}
+
+#[test]
+fn a_resident_prefix_stays_resident_prefix_with_a_tier() {
+    let mut c = core();
+    turn(&mut c, "big", 80, false, 0.0);
+    let id = c.begin("hot", tokens(20), 0, false, 1.0);
+    let run = drive(&mut c, id, 1.0, usage(0.5), tiered(256, Some(64)));
+    assert_eq!(run.reason(), Reason::ResidentPrefix);
+}
+
 #[test]
 fn resident_prefix_needs_the_working_set_to_fit_in_the_whole_cache() {
     let mut c = core();

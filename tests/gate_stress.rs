@@ -50,8 +50,19 @@ impl Sim {
         if self.rng.random_bool(0.03) {
             return Err("unavailable".into());
         }
+        let hit_ratio: f64 = self.rng.random_range(0.0..1.0);
+        // Half the engines have a host KV tier holding part of the rest of the prompt.
+        let prompt: u64 = 1000;
+        let hit_tokens = (hit_ratio * prompt as f64) as u64;
+        let offloaded_tokens = self
+            .rng
+            .random_bool(0.5)
+            .then(|| self.rng.random_range(0..=prompt - hit_tokens));
         Ok(PrefixReport {
-            hit_ratio: self.rng.random_range(0.0..1.0),
+            hit_ratio,
+            hit_tokens,
+            prompt_tokens: prompt,
+            offloaded_tokens,
             ..Default::default()
         })
     }

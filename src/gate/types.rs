@@ -26,8 +26,9 @@ pub enum Reason {
     ResidentPrefix,
     /// The attempt waited `max_wait_sec`.
     MaxWait,
-    /// Under pressure, and the session's prefix is back within its reload cost: resident on
-    /// the GPU or in the host KV tier (`offloaded_tokens`), and its GPU blocks fit.
+    /// Under pressure; the prefix is not GPU-resident enough, but the GPU-resident tokens plus
+    /// the tokens the host KV tier holds for it reach `hit_threshold` (it reloads at PCIe speed
+    /// instead of being recomputed), and its working set fits the whole cache.
     OffloadedPrefix,
 }
 

@@ -21,6 +21,7 @@ mod knobs;
 mod residency;
 mod sim;
 mod sim_pool;
+mod sim_tier;
 mod tokens;
 
 /// `session_gate._native`: the engine-side probe and the gate core.
@@ -36,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "proxy")]
     cli::register(m)?;
     sim_pool::register(m)?;
+    sim_tier::register(m)?;
     inference::register(m)?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use super::knobs::PyGateConfig;
 use crate::error::Error;
 use crate::sim::driver::limit::limit_config;
 use crate::sim::driver::{InferStats, ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
+use crate::sim::offload::OffloadConfig;
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 
 /// A session as Python passes it: `(session_id, system_tokens, task_tokens, arrival, turns)`,
@@ -76,8 +77,9 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
 /// `sched` or `sched-infer` (the engine gate's scheduler mode, with `config`'s knobs;
 /// `max_wait_sec` defaults to 120 s).
 /// The cost model is the built-in `profile`, or the TOML `profile_text` read from
-/// `profile_path`. The replica has the profile's shape unless a shape field is given. `seed`
-/// seeds token identity. Returns one dict per step: `records` (columns: `session`, `turn`,
+/// `profile_path`. The replica has the profile's shape unless a shape field is given;
+/// `offload_gb` gives it a host KV tier of that many GiB (vLLM's `--kv-offloading-size`; the
+/// profile needs an `[offload]` table). `seed` seeds token identity. Returns one dict per step: `records` (columns: `session`, `turn`,
 /// `prompt_tokens`, `cached_tokens`, `latency_sec`, `wait_sec`, `reason`, `ready_at`,
 /// `finished_at`, `engine_preemptions`), `makespan_sec`, `gate_stats` (or None, cumulative
 /// across steps), `infer_stats` (`sched-infer`: inferred sessions against the true ones,
@@ -98,6 +100,7 @@ fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error>
     max_num_seqs=None,
     max_num_batched_tokens=None,
     seed=0,
+    offload_gb=None,
 ))]
 #[allow(clippy::too_many_arguments)]
 fn simulate_rl_steps<'py>(
@@ -114,6 +117,7 @@ fn simulate_rl_steps<'py>(
     max_num_seqs: Option<u32>,
     max_num_batched_tokens: Option<u32>,
     seed: u64,
+    offload_gb: Option<f64>,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     no_panic("simulate_rl_steps", || {
         let specs = read_each(steps, "steps", |item| {
@@ -124,7 +128,9 @@ fn simulate_rl_steps<'py>(
         }
         let shape = [num_blocks, block_size, max_num_seqs, max_num_batched_tokens];
         let source = (profile, profile_path, profile_text);
-        run(py, specs, mode, cap, config, source, shape, seed)
+        run(
+            py, specs, mode, cap, config, source, shape, seed, offload_gb,
+        )
     })
 }
 
@@ -139,6 +145,7 @@ fn run<'py>(
     (profile, profile_path, profile_text): (Option<&str>, Option<&str>, Option<&str>),
     [num_blocks, block_size, max_num_seqs, max_num_batched_tokens]: [Option<u32>; 4],
     seed: u64,
+    offload_gb: Option<f64>,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let gate_config = config.map(|c| c.inner().clone()).unwrap_or_default();
     let spec = ModeSpec::from_kind(mode, cap, gate_config)?;
@@ -164,11 +171,21 @@ fn run<'py>(
         // that changes).
         shape = limit_config(shape, &steps)?;
     }
+    let offload = offload_gb
+        .map(|gib| OffloadConfig::from_profile(&cost, gib, shape.block_size))
+        .transpose()?;
     let (name, description) = (cost.name.clone(), cost.description.clone());
     let engine = cost.engine.clone();
     let (out, wall) = py.detach(|| {
         let started = Instant::now();
-        let out = simulate_steps(steps, seed, || Replica::new(shape, cost.clone()), &spec);
+        let replica = || {
+            let r = Replica::new(shape, cost.clone())?;
+            Ok(match offload {
+                Some(cfg) => r.with_offload(cfg),
+                None => r,
+            })
+        };
+        let out = simulate_steps(steps, seed, replica, &spec);
         (out, started.elapsed().as_secs_f64())
     });
     let mut dicts = Vec::new();
@@ -181,6 +198,7 @@ fn run<'py>(
         p.set_item("block_size", shape.block_size)?;
         p.set_item("max_num_seqs", shape.max_num_seqs)?;
         p.set_item("max_num_batched_tokens", shape.max_num_batched_tokens)?;
+        p.set_item("offload_num_blocks", offload.map(|o| o.num_chunks))?;
         p.set_item("engine", engine_dict(py, &engine)?)?;
         result.set_item("profile", p)?;
         result.set_item("wall_sec", wall)?;

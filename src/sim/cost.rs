@@ -137,6 +137,7 @@ struct ProfileFile {
     engine: EngineRecord,
     #[serde(default)]
     machine: Option<MachineRecord>,
+    offload: Option<OffloadTable>,
 }
 
 /// The machine a calibration ran on (`[machine]`, optional; written by `python -m
@@ -163,6 +164,25 @@ pub struct MachineRecord {
     pub fitted: Option<String>,
     /// Free text: what is known when `known` is false.
     pub note: Option<String>,
+}
+
+/// `[offload]`: the host KV tier's transfer speeds (optional; `sim --offload-gb` needs it).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OffloadTable {
+    load_gb_per_sec: Coef,
+    store_gb_per_sec: Coef,
+}
+
+/// A profile's host-tier transfer speeds (`[offload]`), with their sources.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffloadProfile {
+    /// Host-to-device bytes per second.
+    pub load_bytes_per_sec: f64,
+    /// Device-to-host bytes per second.
+    pub store_bytes_per_sec: f64,
+    /// The two figures' sources, `load; store`.
+    pub source: String,
 }
 
 /// The engine a calibration timed (`[engine]`, optional; written by `python -m
@@ -248,6 +268,8 @@ pub struct CostModel {
     pub engine: EngineRecord,
     /// The machine a calibration ran on (None for hand-written profiles).
     pub machine: Option<MachineRecord>,
+    /// The host KV tier's speeds, if the profile states them.
+    pub offload: Option<OffloadProfile>,
 }
 
 impl CostModel {
@@ -339,7 +361,32 @@ impl CostModel {
             });
             Ok(v)
         };
+        let offload = match &file.offload {
+            None => None,
+            Some(o) => {
+                let gbps = |name: &str, k: &Coef| -> Result<f64> {
+                    let v = *k.value.get_ref();
+                    if !v.is_finite() || v <= 0.0 || k.source.trim().is_empty() {
+                        return Err(bad(
+                            &format!("offload.{name}"),
+                            k.value.span(),
+                            format!("{v}: expected a finite number > 0 with a source"),
+                        ));
+                    }
+                    Ok(v * 1e9)
+                };
+                Some(OffloadProfile {
+                    load_bytes_per_sec: gbps("load_gb_per_sec", &o.load_gb_per_sec)?,
+                    store_bytes_per_sec: gbps("store_gb_per_sec", &o.store_gb_per_sec)?,
+                    source: format!(
+                        "{}; {}",
+                        o.load_gb_per_sec.source, o.store_gb_per_sec.source
+                    ),
+                })
+            }
+        };
         Ok(CostModel {
+            offload,
             step_sec: coef("step_sec", &c.step_sec)?,
             per_seq_sec: coef("per_seq_sec", &c.per_seq_sec)?,
             per_token_sec: coef("per_token_sec", &c.per_token_sec)?,

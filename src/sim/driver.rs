@@ -291,6 +291,7 @@ impl Sim {
     /// Starts the replica's next step (if it has anything to run), through the mode's
     /// scheduler hook if it has one; returns the step's end time and outcome.
     fn step_replica(&mut self, mode: &mut dyn Mode) -> Result<Option<(f64, StepOutcome)>> {
+        self.replica.sync_clock(self.now);
         let outcome = match mode.scheduler_hook() {
             None => self.replica.step(),
             Some(hook) => {

@@ -209,6 +209,42 @@ impl KvManager {
         true
     }
 
+    /// `allocate_slots` for a waiting request admitted with an asynchronous load from the host
+    /// tier (`delay_cache_blocks`): takes the `new_computed` GPU hit and allocates blocks for
+    /// `ext_tokens` more, caching nothing new (the loaded blocks are cached once their load
+    /// completes and the request is scheduled). The whole `num_tokens` sequence must fit.
+    /// Returns false, changing nothing, when the blocks are not there.
+    pub fn allocate_for_load(
+        &mut self,
+        kv: &mut ReqKv,
+        new_computed: &[BlockId],
+        ext_tokens: u32,
+        num_tokens: u32,
+    ) -> bool {
+        debug_assert!(kv.blocks.is_empty());
+        let bs = self.block_size;
+        let held = new_computed.len() as u32;
+        let evictable = self.num_evictable(new_computed);
+        let free = self.pool.num_free_blocks();
+        let full = num_tokens.min(self.max_model_len);
+        if blocks_for(full, bs).saturating_sub(held) + evictable > free {
+            return false;
+        }
+        let total = (held * bs + ext_tokens).min(self.max_model_len);
+        let want = blocks_for(total, bs);
+        if want.saturating_sub(held) + evictable > free {
+            return false;
+        }
+        self.pool.touch(new_computed);
+        kv.blocks.extend_from_slice(new_computed);
+        kv.num_cached = held;
+        if want > held {
+            let ok = self.pool.get_new_blocks(want - held, &mut kv.blocks);
+            debug_assert!(ok.is_some());
+        }
+        true
+    }
+
     /// `cache_blocks`: caches the request's full blocks up to `num_tokens` tokens.
     fn cache_blocks(&mut self, kv: &mut ReqKv, num_tokens: u32, block_hashes: &[BlockHash]) {
         let full = (num_tokens / self.block_size).min(block_hashes.len() as u32);

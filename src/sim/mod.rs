@@ -10,6 +10,10 @@
 //! - [`scheduler`]: `Scheduler.schedule()` / `update_from_output()` (FCFS, chunked prefill,
 //!   preemption by recompute of the last admitted request, `num_cached_tokens`);
 //! - [`cost`]: the step-time model and the embedded profiles (`profiles/*.toml`);
+//! - [`host_tier`] and [`offload`]: the host (CPU) KV tier of vLLM's native offloading, off
+//!   unless asked for (`--offload-gb`): its block accounting and LRU exactly (a differential
+//!   test drives it against vLLM's own manager: `tests/python/test_sim_host_tier.py`), stores
+//!   of computed prompt blocks, asynchronous loads at admission, and the transfers' timing;
 //! - [`replica`]: the facade the driver uses ([`Replica`]), and the gate's probes over the KV
 //!   state ([`Probes`]).
 //!
@@ -36,7 +40,9 @@ use std::sync::Arc;
 pub mod block_pool;
 pub mod cost;
 pub mod driver;
+pub mod host_tier;
 pub mod kv_manager;
+pub mod offload;
 pub mod replica;
 pub mod scheduler;
 

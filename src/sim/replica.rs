@@ -1,7 +1,9 @@
 //! [`Replica`]: one modelled vLLM replica — scheduler, KV-cache manager and cost model behind
 //! the calls a driver makes (add, abort, step, and the two probes the gate asks).
 use super::cost::CostModel;
+use super::host_tier::HostTier;
 use super::kv_manager::{HitMemo, KvManager};
+use super::offload::{Offload, OffloadConfig, OffloadStats};
 use super::scheduler::{Scheduled, Scheduler, SchedulerLimits, WaitingGate};
 use super::{BlockHash, ReplicaConfig, SimRequest, StepOutcome};
 use crate::gate::{PrefixReport, UsageReport};
@@ -35,6 +37,8 @@ pub struct Replica {
     cost: CostModel,
     stats: ReplicaStats,
     step_scratch: Scheduled,
+    /// The engine's clock: the driver's time at the last sync, plus the steps run since.
+    now: f64,
 }
 
 impl Replica {
@@ -74,7 +78,27 @@ impl Replica {
             cost,
             stats: ReplicaStats::default(),
             step_scratch: Scheduled::default(),
+            now: 0.0,
         })
+    }
+
+    /// The same replica with a host KV tier (vLLM's native offloading, see
+    /// [`super::offload`]); it must be empty (no request added yet).
+    pub fn with_offload(mut self, cfg: OffloadConfig) -> Self {
+        debug_assert!(self.sched.num_running() + self.sched.num_waiting() == 0);
+        self.sched.offload = Some(Offload::new(cfg));
+        self
+    }
+
+    /// The host tier's transfer counters, if it has one.
+    pub fn offload_stats(&self) -> Option<&OffloadStats> {
+        self.sched.offload.as_ref().map(Offload::stats)
+    }
+
+    /// Moves the engine's clock forward to `now` (the driver's time before a step; the
+    /// clock never goes back). Only the host tier's transfers read it.
+    pub fn sync_clock(&mut self, now: f64) {
+        self.now = self.now.max(now);
     }
 
     /// The replica's shape.
@@ -137,7 +161,28 @@ impl Replica {
             return None;
         }
         let mut step = std::mem::take(&mut self.step_scratch);
+        self.sched.now = self.now;
         self.sched.schedule_gated(&mut step, gate);
+        if step.entries.is_empty()
+            && step.preempted.is_empty()
+            && let Some(t) = self
+                .sched
+                .offload
+                .as_ref()
+                .and_then(Offload::next_completion)
+        {
+            // Nothing to compute, but transfers in flight: vLLM's engine keeps stepping
+            // (empty steps) until they complete.
+            let duration_sec = (t - self.now).max(self.cost.fixed_step_sec());
+            self.end_step(duration_sec);
+            self.stats.steps += 1;
+            self.stats.busy_sec += duration_sec;
+            self.step_scratch = step;
+            return Some(StepOutcome {
+                duration_sec,
+                ..StepOutcome::default()
+            });
+        }
         if step.entries.is_empty() && step.preempted.is_empty() {
             // Nothing fits (only possible when waiting requests cannot be admitted and nothing
             // runs, which add_request's size check rules out), or a gate holds every waiting
@@ -153,6 +198,7 @@ impl Replica {
             num_scheduled_tokens: step.work.total_tokens,
         };
         self.sched.finish_step(&step, &mut outcome.finished);
+        self.end_step(duration_sec);
         let s = &mut self.stats;
         s.steps += 1;
         s.busy_sec += duration_sec;
@@ -163,6 +209,14 @@ impl Replica {
         s.evicted_blocks = self.sched.kv.pool.removals();
         self.step_scratch = step;
         Some(outcome)
+    }
+
+    /// Advances the clock past a step and lets the host tier see its transfers' progress.
+    fn end_step(&mut self, duration_sec: f64) {
+        self.now += duration_sec;
+        if let Some(off) = &mut self.sched.offload {
+            off.end_step(self.now);
+        }
     }
 
     /// O(1): the same fields the real plugin's usage probe answers.
@@ -190,7 +244,11 @@ impl Replica {
 
     /// The probes over the replica's KV state now.
     pub fn probes(&self) -> Probes<'_> {
-        Probes::new(&self.sched.kv)
+        let probes = Probes::new(&self.sched.kv);
+        match &self.sched.offload {
+            Some(off) => probes.with_tier(&off.tier),
+            None => probes,
+        }
     }
 
     /// Running requests.
@@ -226,12 +284,22 @@ impl Replica {
 #[derive(Debug, Clone, Copy)]
 pub struct Probes<'a> {
     kv: &'a KvManager,
+    tier: Option<&'a HostTier>,
 }
 
 impl<'a> Probes<'a> {
-    /// The probes over `kv`.
+    /// The probes over `kv`, with no host tier.
     pub fn new(kv: &'a KvManager) -> Self {
-        Self { kv }
+        Self { kv, tier: None }
+    }
+
+    /// The same probes also reading the host tier `tier` (read-only: lookups do not touch
+    /// its recency, as vLLM's `lookup` does not).
+    pub fn with_tier(self, tier: &'a HostTier) -> Self {
+        Self {
+            tier: Some(tier),
+            ..self
+        }
     }
 
     /// Tokens per block.
@@ -250,15 +318,15 @@ impl<'a> Probes<'a> {
             // counts when asked: `count_cached_free`).
             num_cached_free_blocks: Some(u64::from(pool.num_cached_free_blocks())),
             block_size: u64::from(self.kv.block_size()),
-            offload_num_blocks: None,
-            offload_used_blocks: None,
+            offload_num_blocks: self.tier.map(HostTier::capacity),
+            offload_used_blocks: self.tier.map(HostTier::used),
         }
     }
 
     /// What the real plugin's prefix probe would answer for this prompt now.
     pub fn probe_prefix(&self, block_hashes: &[BlockHash], prompt_tokens: u32) -> PrefixReport {
         let hit_blocks = self.kv.count_hit_blocks(block_hashes, prompt_tokens);
-        self.prefix_report(hit_blocks, prompt_tokens)
+        self.prefix_report(hit_blocks, block_hashes, prompt_tokens)
     }
 
     /// [`Self::probe_prefix`] through a caller's memo of the same hash chain (keyed by `key`).
@@ -272,12 +340,25 @@ impl<'a> Probes<'a> {
         let hit_blocks = self
             .kv
             .cache_hit_memo(key, block_hashes, prompt_tokens, memo);
-        self.prefix_report(hit_blocks, prompt_tokens)
+        self.prefix_report(hit_blocks, block_hashes, prompt_tokens)
     }
 
-    fn prefix_report(&self, hit_blocks: u32, prompt_tokens: u32) -> PrefixReport {
-        let hit_tokens =
-            (u64::from(hit_blocks) * u64::from(self.kv.block_size())).min(u64::from(prompt_tokens));
+    fn prefix_report(
+        &self,
+        hit_blocks: u32,
+        block_hashes: &[BlockHash],
+        prompt_tokens: u32,
+    ) -> PrefixReport {
+        let bs = self.kv.block_size();
+        let hit_tokens = (u64::from(hit_blocks) * u64::from(bs)).min(u64::from(prompt_tokens));
+        // The blocks after the GPU hit the tier holds (ready or being stored: either would be
+        // loaded, the latter a step later), up to the prompt's full blocks.
+        let offloaded_tokens = self.tier.map(|tier| {
+            let end = ((prompt_tokens / bs) as usize).min(block_hashes.len());
+            let start = (hit_blocks as usize).min(end);
+            let (n, _) = tier.leading_hits(&block_hashes[start..end]);
+            (u64::from(n) * u64::from(bs)).min(u64::from(prompt_tokens) - hit_tokens)
+        });
         PrefixReport {
             hit_ratio: if prompt_tokens == 0 {
                 0.0
@@ -287,7 +368,7 @@ impl<'a> Probes<'a> {
             hit_blocks: u64::from(hit_blocks),
             hit_tokens,
             prompt_tokens: u64::from(prompt_tokens),
-            offloaded_tokens: None,
+            offloaded_tokens,
         }
     }
 }

@@ -22,6 +22,12 @@
 //! skipped, staying where it is in the queue, while the pass goes on with the requests behind it
 //! (vLLM's `_handle_blocked_waiting_request`). Without a gate the pass is exactly rule 2.
 //!
+//! With a host KV tier ([`Offload`], vLLM's native offloading connector), the waiting pass
+//! also looks up the tier after the GPU prefix hit and admits a request whose next blocks are
+//! there with an asynchronous load (it waits in the queue, holding its blocks, until the load
+//! completes), and each step offers the scheduled requests' new prompt blocks to the tier
+//! (see [`super::offload`]). Without a tier none of this runs.
+//!
 //! `num_cached_tokens` (what the engine reports in the request's final output) is the prefix hit
 //! found when the request is admitted for the first time; a request preempted and re-admitted
 //! keeps that first value (`PrefillStats.set` runs only while `num_preemptions == 0`).
@@ -30,6 +36,7 @@ use std::collections::VecDeque;
 use super::block_pool::{BlockId, IdMap};
 use super::cost::StepWork;
 use super::kv_manager::{HitMemo, KvManager, ReqKv};
+use super::offload::{ExtHit, Offload};
 use super::{FinishedRequest, SimRequest};
 
 /// Scheduler limits (vLLM's `SchedulerConfig`).
@@ -94,6 +101,11 @@ pub struct Scheduler {
     head_memo: HitMemo,
     /// Cumulative preemptions.
     pub num_preemptions: u64,
+    /// The host KV tier, if the engine has one.
+    pub offload: Option<Offload>,
+    /// The engine's clock at the start of the step being scheduled (the tier's transfers run
+    /// on it).
+    pub now: f64,
 }
 
 impl Scheduler {
@@ -108,6 +120,8 @@ impl Scheduler {
             hit_scratch: Vec::new(),
             head_memo: HitMemo::default(),
             num_preemptions: 0,
+            offload: None,
+            now: 0.0,
         }
     }
 
@@ -174,6 +188,9 @@ impl Scheduler {
             self.waiting.remove(pos);
         }
         self.kv.free(&mut st.kv);
+        if let Some(off) = &mut self.offload {
+            off.finish(id);
+        }
         true
     }
 
@@ -241,6 +258,39 @@ impl Scheduler {
                 && (self.running.len() as u32) < self.limits.max_num_seqs
                 && let Some(&id) = self.waiting.get(pos)
             {
+                if let Some(off) = &mut self.offload
+                    && off.is_loading(id)
+                {
+                    // WAITING_FOR_REMOTE_KVS: skipped until its load completes, then
+                    // scheduled with the loaded tokens computed.
+                    if !off.load_done(id) {
+                        pos += 1;
+                        continue;
+                    }
+                    let st = self.reqs.get_mut(&id).expect("waiting request is known");
+                    let num_tokens = st.num_tokens();
+                    let computed = st.num_computed.min(num_tokens - 1);
+                    let n = (num_tokens - computed).min(budget);
+                    let ok = self.kv.allocate_slots(
+                        &mut st.kv,
+                        computed,
+                        n,
+                        &[],
+                        num_tokens,
+                        &st.req.block_hashes,
+                        true,
+                    );
+                    if !ok {
+                        break;
+                    }
+                    off.consume_load(id);
+                    st.num_computed = computed;
+                    self.waiting.remove(pos);
+                    self.running.push(id);
+                    self.record(id, n, out);
+                    budget -= n;
+                    continue;
+                }
                 if let Some(gate) = gate.as_deref_mut() {
                     let st = self.reqs.get(&id).expect("waiting request is known");
                     if !gate.may_schedule(&st.req, &self.kv) {
@@ -256,6 +306,35 @@ impl Scheduler {
                 self.hit_scratch.clear();
                 self.hit_scratch.extend(self.head_memo.blocks());
                 let hit_tokens = self.hit_scratch.len() as u32 * self.kv.block_size();
+                if let Some(off) = &mut self.offload {
+                    let bs = self.kv.block_size();
+                    let gpu_blocks = self.hit_scratch.len() as u32;
+                    match off.lookup(&st.req.block_hashes, gpu_blocks, num_tokens / bs) {
+                        ExtHit::Defer => {
+                            pos += 1;
+                            continue;
+                        }
+                        ExtHit::Blocks(0) => {}
+                        ExtHit::Blocks(ext) => {
+                            let ext_tokens = ext * bs;
+                            if !self.kv.allocate_for_load(
+                                &mut st.kv,
+                                &self.hit_scratch,
+                                ext_tokens,
+                                num_tokens,
+                            ) {
+                                break;
+                            }
+                            if st.num_preemptions == 0 {
+                                st.num_cached_tokens = Some(hit_tokens + ext_tokens);
+                            }
+                            st.num_computed = hit_tokens + ext_tokens;
+                            off.start_load(id, &st.req.block_hashes, gpu_blocks, ext, self.now);
+                            pos += 1;
+                            continue;
+                        }
+                    }
+                }
                 if st.num_preemptions == 0 {
                     st.num_cached_tokens = Some(hit_tokens);
                 }
@@ -278,6 +357,20 @@ impl Scheduler {
                 self.record(id, n, out);
                 budget -= n;
             }
+        }
+        if let Some(off) = &mut self.offload {
+            let bs = self.kv.block_size();
+            for &(id, n, before) in &out.entries {
+                let st = &self.reqs[&id];
+                off.offer(
+                    id,
+                    &st.req.block_hashes,
+                    before + n,
+                    st.req.prompt_tokens,
+                    bs,
+                );
+            }
+            off.after_stores();
         }
     }
 
@@ -313,6 +406,9 @@ impl Scheduler {
             if st.num_output >= st.req.max_tokens {
                 let mut st = self.reqs.remove(&id).expect("known");
                 self.kv.free(&mut st.kv);
+                if let Some(off) = &mut self.offload {
+                    off.finish(id);
+                }
                 finished.push(FinishedRequest {
                     id,
                     num_cached_tokens: st.num_cached_tokens.unwrap_or(0),

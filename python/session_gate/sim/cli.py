@@ -59,6 +59,14 @@ def add_common(
     shape = p.add_argument_group("replica shape (default: the workload's, or the profile's)")
     for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         shape.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=None)
+    shape.add_argument(
+        "--offload-gb",
+        dest="offload_gb",
+        type=float,
+        default=None,
+        help="a host KV tier of this many GiB (vLLM's --kv-offloading-size, native backend; "
+        "the profile's [offload] table gives its speeds; default none)",
+    )
 
 
 def knobs_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,8 +78,9 @@ def knobs_of(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def shape_of(args: argparse.Namespace) -> dict[str, int]:
-    names = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens")
+def shape_of(args: argparse.Namespace) -> dict[str, float]:
+    """The replica-shape overrides given, the host tier's size (``offload_gb``) included."""
+    names = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "offload_gb")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

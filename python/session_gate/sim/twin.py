@@ -50,11 +50,13 @@ def native_sessions(workload: Workload) -> list[tuple[Any, ...]]:
     ]
 
 
-def replica_shape(workload: Workload, overrides: dict[str, int] | None = None) -> dict[str, int]:
+def replica_shape(
+    workload: Workload, overrides: dict[str, float] | None = None
+) -> dict[str, float]:
     """The replica's shape: the workload's engine for the CPU-sized workloads (so the twin
     models the engine the real bench starts), the profile's for scale workloads; then any
     explicit overrides."""
-    shape: dict[str, int] = {}
+    shape: dict[str, float] = {}
     if not workload.profile_shape:
         e = workload.engine
         shape = {f: getattr(e, f) for f in SHAPE_FIELDS}
@@ -67,7 +69,7 @@ def run_twin(
     mode: Mode,
     profile: str,
     knobs: dict[str, Any] | None = None,
-    shape: dict[str, int] | None = None,
+    shape: dict[str, float] | None = None,
 ) -> ModeResult:
     """Simulate ``workload`` in ``mode`` on ``profile`` with the gate ``knobs`` (ignored by
     modes without a gate); the result says ``engine="twin:<profile>"``."""
@@ -79,7 +81,7 @@ def run_twin_steps(
     mode: Mode,
     profile: str,
     knobs: dict[str, Any] | None = None,
-    shape: dict[str, int] | None = None,
+    shape: dict[str, float] | None = None,
 ) -> list[ModeResult]:
     """Consecutive RL steps (``steps[k]`` is step k's workload) with ONE mode object: the
     gate core, and what it learned, lives across steps; the other modes start afresh each

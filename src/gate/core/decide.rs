@@ -173,10 +173,14 @@ impl GateCore {
     /// Steps 3–4, once the prefix answer is in.
     pub(super) fn decide_on_prefix(&mut self, id: u64, now: f64) -> Step {
         let a = &self.attempts[&id];
+        let threshold = self.cfg.hit_threshold;
         match a.hit {
             Hit::Unavailable => return Step::Admit(Reason::PrefixProbeUnavailable),
-            Hit::Ratio(h) if h >= self.cfg.hit_threshold && self.fits_whole_cache(a) => {
+            Hit::Ratio(h, _) if h >= threshold && self.fits_whole_cache(a) => {
                 return Step::Admit(Reason::ResidentPrefix);
+            }
+            Hit::Ratio(_, Some(t)) if t >= threshold && self.fits_whole_cache(a) => {
+                return Step::Admit(Reason::OffloadedPrefix);
             }
             _ => {}
         }

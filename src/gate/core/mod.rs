@@ -20,7 +20,11 @@
 //!    when usage < watermark and idle reservations may yield enough room (see "Yielding idle
 //!    room").
 //! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
-//!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`.
+//!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`; else, when the
+//!    engine has a readable host KV tier, `(hit_tokens + offloaded_tokens) ÷ prompt_tokens ≥
+//!    hit_threshold` and `committed + ws ≤ num_blocks` → `offloaded_prefix` (the prefix
+//!    reloads over PCIe in milliseconds instead of being recomputed: warm at its reload
+//!    cost). A report with `offloaded_tokens: None` (no tier) never gives it.
 //! 4. Otherwise `max_wait` if the attempt has waited `max_wait_sec`, else wait.
 //!
 //! Every admission takes (or renews) the session's reservation.
@@ -48,6 +52,17 @@
 //! nobody waiting, or a head that would not fit anyway, it holds the whole window. With the
 //! default 60 s, sessions whose tools return within 30 s, and within twice the usual return
 //! gap, never lose their room to a waiter.
+//!
+//! **With a host KV tier** the yield rule is the same. Yielding an idle room at once when the
+//! engine has a tier (its prefix would reload rather than be recomputed) was measured on the
+//! twin (`docs/lab-notes/host-tier.md`): it loses 50% of makespan where the tier cannot hold
+//! the working sets (32B, 512 GiB: the yielded prefixes leave the tier before their sessions
+//! return) and wins 3% where it can; yielding after one turn time changes nothing. Admitting
+//! everything `open` while the tier is not full was measured too and not kept either: it
+//! wins up to 8% while the tier holds the working sets but loses 2–3% on others, and a tier
+//! fills up once and then stays full (its LRU evicts only to store), so in a long-running
+//! engine it would do nothing. A prefix that did leave the GPU but sits in the tier comes back
+//! as `offloaded_prefix` (step 3).
 //!
 //! Idle reservations that may yield also go before a revocation (step 1): when a returning
 //! session's grown working set would revoke it, idle rooms that may yield are dropped first if
@@ -144,7 +159,9 @@ enum Phase {
 enum Hit {
     NotAsked,
     Unavailable,
-    Ratio(f64),
+    /// The GPU-resident hit ratio, and the ratio of GPU-resident plus host-tier tokens when
+    /// the engine has a readable host tier.
+    Ratio(f64, Option<f64>),
 }
 
 #[derive(Debug)]
@@ -182,6 +199,16 @@ enum Step {
     Prefix,
     Wait,
     Restart,
+}
+
+/// GPU-resident plus host-tier tokens over the prompt, when the report has a tier.
+fn tiered_ratio(r: &PrefixReport) -> Option<f64> {
+    let offloaded = r.offloaded_tokens?;
+    if r.prompt_tokens == 0 {
+        return Some(r.hit_ratio);
+    }
+    let tiered = (r.hit_tokens + offloaded) as f64 / r.prompt_tokens as f64;
+    Some(tiered.clamp(r.hit_ratio, 1.0))
 }
 
 /// The sans-IO admission gate. See the module docs for the decision tree, FIFO and waking.
@@ -387,7 +414,7 @@ impl GateCore {
             return Ok(());
         }
         a.hit = match report {
-            Ok(r) if r.problem().is_none() => Hit::Ratio(r.hit_ratio),
+            Ok(r) if r.problem().is_none() => Hit::Ratio(r.hit_ratio, tiered_ratio(&r)),
             _ => Hit::Unavailable,
         };
         a.phase = Phase::DecidePrefix;
@@ -680,7 +707,7 @@ impl GateCore {
             usage: a.usage,
             pressure,
             hit_ratio: match a.hit {
-                Hit::Ratio(h) => Some(h),
+                Hit::Ratio(h, _) => Some(h),
                 _ => None,
             },
             retain_session: a.retain,
