@@ -36,6 +36,7 @@ use std::sync::Arc;
 pub mod block_pool;
 pub mod cost;
 pub mod driver;
+pub mod fleet;
 pub mod kv_manager;
 pub mod replica;
 pub mod scheduler;
