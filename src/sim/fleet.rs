@@ -47,6 +47,8 @@ pub struct FleetSpec {
 pub struct FleetOutput {
     /// One record per turn, in the order the turns finished.
     pub records: Vec<TurnRecord>,
+    /// The replica that served each record.
+    pub served_by: Vec<usize>,
     /// Virtual seconds from the start to the end of the last session.
     pub makespan_sec: f64,
     /// Placements and moves by reason.
@@ -192,6 +194,7 @@ pub fn simulate_fleet(
         requests: HashMap::new(),
         next_request: 1,
         records: Vec::new(),
+        served_by: Vec::new(),
         finished: 0,
         makespan: 0.0,
         aborted: HashSet::new(),
@@ -208,6 +211,7 @@ pub fn simulate_fleet(
     sim.run()?;
     Ok(FleetOutput {
         records: sim.records,
+        served_by: sim.served_by,
         makespan_sec: sim.makespan,
         placement: sim.placer.stats(),
         replica_stats: sim
@@ -243,6 +247,7 @@ struct Fleet {
     requests: HashMap<u64, (SessionIx, usize)>,
     next_request: u64,
     records: Vec<TurnRecord>,
+    served_by: Vec<usize>,
     finished: usize,
     makespan: f64,
     aborted: HashSet<u64>,
@@ -509,15 +514,21 @@ impl Fleet {
             cancellations: 1,
             ..Default::default()
         };
-        self.records.retain(|rec| {
-            if rec.session != s {
-                return true;
+        let mut keep = Vec::with_capacity(self.records.len());
+        for rec in &self.records {
+            keep.push(rec.session != s);
+            if rec.session == s {
+                lost.turns += 1;
+                let output = c.spec.turns[rec.turn as usize].output;
+                lost.tokens += u64::from(rec.prompt_tokens - rec.cached_tokens) + u64::from(output);
             }
-            lost.turns += 1;
-            let output = c.spec.turns[rec.turn as usize].output;
-            lost.tokens += u64::from(rec.prompt_tokens - rec.cached_tokens) + u64::from(output);
-            false
-        });
+        }
+        let mut flags = keep.iter();
+        self.records
+            .retain(|_| *flags.next().expect("one flag a record"));
+        let mut flags = keep.iter();
+        self.served_by
+            .retain(|_| *flags.next().expect("one flag a record"));
         self.turns_done -= lost.turns;
         self.lost.cancellations += lost.cancellations;
         self.lost.turns += lost.turns;
@@ -570,6 +581,7 @@ impl Fleet {
                 finished_at: now,
                 engine_preemptions: done.num_preemptions,
             });
+            self.served_by.push(r);
             c.history += u64::from(c.max_tokens());
             c.phase = Phase::Tool;
             let tool = c.spec.turns[c.turn].tool_latency;

@@ -13,7 +13,7 @@ from typing import Any
 
 from session_gate import report
 from session_gate.modes import DEFAULT_MODES
-from session_gate.sim import cli
+from session_gate.sim import cli, fleet
 from session_gate.sim.twin import profile_label, run_twin
 
 
@@ -27,6 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="runs simulated at once (threads: the native simulation releases the GIL; each "
         "run is deterministic, so the results do not depend on it; default 1)",
     )
+    fleet.add_flags(p)
     args = p.parse_args(argv)
     args.mode_list = cli.modes_of(p, args.modes)
     if args.jobs < 1:
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         tune.main(argv[1:])
         return
     args = parse_args(argv)
+    if args.replicas is not None:
+        # The default modes are the single replica's; a fleet runs its own unless told.
+        modes = [m.name for m in args.mode_list]
+        fleet.main(args, list(fleet.FLEET_MODES) if args.modes == DEFAULT_MODES else modes)
+        return
     runs: list[Any] = []
     by_workload = run(args, runs)
     if args.records:
