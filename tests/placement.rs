@@ -13,6 +13,7 @@ fn idle() -> ReplicaView {
         free_blocks: 1000,
         sessions: 0,
         queued: 0,
+        new_waiting: 0,
     }
 }
 
@@ -57,11 +58,12 @@ fn a_new_session_goes_where_it_would_be_admitted_now_with_the_fewest_sessions() 
 }
 
 #[test]
-fn a_new_session_is_held_when_no_replica_would_admit_it_now() {
+fn a_new_session_waits_behind_the_fewest_new_sessions_when_none_would_be_admitted_now() {
     let mut p = policy();
     let views = [
         ReplicaView {
             queued: 1,
+            new_waiting: 1,
             ..idle()
         },
         ReplicaView {
@@ -72,6 +74,31 @@ fn a_new_session_is_held_when_no_replica_would_admit_it_now() {
             up: false,
             ..idle()
         },
+    ];
+    assert_eq!(p.place_new(&views, &TURN, |_| 0).unwrap().replica, 1);
+}
+
+#[test]
+fn a_new_session_is_held_when_every_usable_replica_has_its_backlog_of_new_sessions() {
+    let mut p = policy();
+    let views = [
+        ReplicaView {
+            new_waiting: 2,
+            ..idle()
+        },
+        ReplicaView {
+            new_waiting: 3,
+            queued: 3,
+            ..idle()
+        },
+        ReplicaView {
+            up: false,
+            ..idle()
+        },
+        ReplicaView {
+            speed: 0.5,
+            ..idle()
+        }, // slow
     ];
     assert_eq!(p.place_new(&views, &TURN, |_| 0), None);
     assert_eq!(p.stats().held, 1);

@@ -4,13 +4,15 @@
 //!
 //! Admission (when) and placement (where) are one decision, so placement asks the question the
 //! gate asks: where would this turn be admitted soonest?
-//! - A **new** session goes to the usable replica where it would be admitted now: no turn
-//!   queued there (the gate's or the engine's), and room for its prompt in the free blocks (the
-//!   blocks of its shared prefix already resident there do not count against it). Among those,
-//!   the one with the fewest sessions per unit of speed, then the most prefix resident. When no
-//!   replica would admit it now, [`Placement::place_new`] answers `None`: the caller holds the
-//!   session and asks again when something finished (late binding: a session bound early to a
-//!   busy replica waits there while another replica idles).
+//! - A **new** session goes to a usable replica with fewer than
+//!   [`PlacementConfig::new_backlog`] new sessions already waiting there for their first
+//!   admission: first one where it would be admitted now (no turn queued there, the gate's or
+//!   the engine's, and room for its prompt in the free blocks, the blocks of its shared prefix
+//!   already resident there not counted against it), then the fewest new sessions waiting, the
+//!   fewest sessions per unit of speed, the most prefix resident. When every usable replica has
+//!   its backlog, [`Placement::place_new`] answers `None`: the caller holds the session and asks
+//!   again when something changed (late binding: a session bound early to a busy replica waits
+//!   there while another replica idles; each replica's gate still decides when to admit).
 //! - A **returning** session whose own prefix is still resident at home stays.
 //! - A **cold** returning session (its prefix evicted at home) re-prefills wherever it goes, so
 //!   it moves when another replica would admit it now and home would not.
@@ -36,6 +38,8 @@ pub struct ReplicaView {
     pub sessions: u32,
     /// Turns waiting for admission there: held by its gate or waiting in its engine queue.
     pub queued: u32,
+    /// New sessions placed there whose first turn is not admitted yet.
+    pub new_waiting: u32,
 }
 
 /// The session being placed.
@@ -145,6 +149,10 @@ pub struct PlacementConfig {
     /// A returning session is resident at home when at least this fraction of its own (not
     /// shared) prompt blocks is still cached there (0.5).
     pub resident_fraction: f64,
+    /// New sessions a replica may have waiting for their first admission before new sessions
+    /// are held at the fleet (2): enough that its gate always has one to admit when room
+    /// frees, few enough that a replica that frees room later still gets the rest.
+    pub new_backlog: u32,
 }
 
 impl Default for PlacementConfig {
@@ -152,6 +160,7 @@ impl Default for PlacementConfig {
         Self {
             slow_below: 0.75,
             resident_fraction: 0.5,
+            new_backlog: 2,
         }
     }
 }
@@ -222,30 +231,31 @@ impl Placement {
         session: &SessionView,
         mut shared_hit: impl FnMut(usize) -> u64,
     ) -> Option<Placed> {
-        let mut best: Option<(f64, u64, usize)> = None;
+        // (waits, new sessions waiting, sessions per speed, shared hit) of the best so far.
+        let mut best: Option<(bool, u32, f64, u64, usize)> = None;
         for r in 0..views.len() {
             if !self.usable(views, r) {
                 continue;
             }
             let v = &views[r];
-            if v.queued > 0 {
+            if v.new_waiting >= self.config.new_backlog {
                 continue;
             }
             let hit = shared_hit(r).min(session.shared_blocks);
-            if eta(v, session, hit) > 0.0 {
-                continue;
-            }
+            let waits = eta(v, session, hit) > 0.0;
             let load = f64::from(v.sessions + 1) / v.speed.max(1e-9);
             let better = match best {
                 None => true,
-                Some((l, h, _)) => load < l || (load == l && hit > h),
+                Some((w, n, l, h, _)) => (waits, v.new_waiting, load, std::cmp::Reverse(hit))
+                    .partial_cmp(&(w, n, l, std::cmp::Reverse(h)))
+                    .is_some_and(|o| o.is_lt()),
             };
             if better {
-                best = Some((load, hit, r));
+                best = Some((waits, v.new_waiting, load, hit, r));
             }
         }
         match best {
-            Some((_, _, replica)) => {
+            Some((_, _, _, _, replica)) => {
                 self.stats.count(PlaceReason::New);
                 Some(Placed {
                     replica,

@@ -92,6 +92,8 @@ struct Slot {
     sessions: u32,
     /// Sessions waiting for admission here (arrived and not started, or a turn ready).
     queued: u32,
+    /// New sessions placed here whose first turn is not admitted yet.
+    new_waiting: u32,
     /// Turns in the replica.
     inflight: u32,
     /// Counted tokens of the live sessions placed here (ThunderAgent's working set).
@@ -159,6 +161,7 @@ pub fn simulate_fleet(
             speed: 1.0,
             sessions: 0,
             queued: 0,
+            new_waiting: 0,
             inflight: 0,
             tokens: 0,
             served: HashSet::new(),
@@ -470,6 +473,7 @@ impl Fleet {
             Command::Admit(s, reason) => {
                 let (id, bs, now) = (self.next_request, self.block_size, self.now);
                 let client = self.client(s, Phase::Ready, "admit")?;
+                let first = client.turn == 0;
                 client.phase = Phase::InFlight;
                 client.admitted_at = now;
                 client.reason = reason;
@@ -478,6 +482,10 @@ impl Fleet {
                 self.requests.insert(id, (s, r));
                 self.set_waiting(s, None);
                 let slot = &mut self.slots[r];
+                if first {
+                    slot.new_waiting = slot.new_waiting.saturating_sub(1);
+                    self.dirty = true;
+                }
                 slot.inflight += 1;
                 slot.served.insert(s);
                 slot.replica.add_request(request)?;
@@ -638,6 +646,7 @@ impl Fleet {
                     free_blocks: usage.num_free_blocks,
                     sessions: slot.sessions,
                     queued: slot.queued + slot.replica.num_waiting() as u32,
+                    new_waiting: slot.new_waiting,
                 }
             })
             .collect()
@@ -716,6 +725,7 @@ impl Fleet {
             return Ok(false);
         };
         let r = placed.replica;
+        self.slots[r].new_waiting += 1;
         self.set_home(s, Some(r));
         self.set_waiting(s, Some(r));
         self.notes.push_back((r, Note::Arrived(s)));
@@ -807,6 +817,7 @@ impl Fleet {
         slot.stepping = false;
         slot.commands.clear();
         slot.queued = 0;
+        slot.new_waiting = 0;
         slot.inflight = 0;
         self.notes.retain(|(to, _)| *to != r);
         let lost_requests: Vec<u64> = self
