@@ -12,8 +12,8 @@
 //!   approximate radix tree matches the longest prefix of the prompt, if the match ratio is
 //!   over `cache_threshold`; else to the replica with the smallest tree (here: the most free KV
 //!   blocks). The defaults are SGLang router's `RouterConfig` defaults (sgl-project/sglang,
-//!   sgl-router `src/config/types.rs`: `cache_threshold: 0.3, balance_abs_threshold: 64,
-//!   balance_rel_threshold: 1.5`; vllm-router, a fork of it, keeps them). The tree is
+//!   sgl-router: `cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold:
+//!   1.5`; its first README listed `--cache-threshold` 0.5). The tree is
 //!   approximate, as upstream's: it records what the router sent (the system prompt on every
 //!   replica it reached, each session's last prompt on the replica that got it), not what the
 //!   cache still holds.
@@ -201,7 +201,8 @@ struct HashRing {
     stats: PlacementStats,
 }
 
-/// Virtual nodes per replica (vllm-router's ring uses 160, as ketama does).
+/// Virtual nodes per replica (ketama's 160; enough that 16 replicas split the ring within a
+/// few percent).
 const VNODES: u64 = 160;
 
 impl HashRing {
