@@ -12,6 +12,7 @@ pub mod infer;
 pub mod knobs;
 mod ledger;
 pub mod metrics;
+pub mod placement;
 mod session;
 pub mod testing;
 pub mod types;

@@ -13,6 +13,7 @@ mod cli;
 mod engine;
 mod engine_book;
 mod errors;
+mod fleet;
 mod gate_core;
 mod guard;
 mod host_tier;
@@ -34,6 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine_book::register(m)?;
     baselines::register(m)?;
     sim::register(m)?;
+    fleet::register(m)?;
     #[cfg(feature = "proxy")]
     cli::register(m)?;
     sim_pool::register(m)?;

@@ -12,7 +12,9 @@ use super::guard::no_panic;
 use super::knobs::PyGateConfig;
 use crate::error::Error;
 use crate::sim::driver::limit::limit_config;
-use crate::sim::driver::{InferStats, ModeSpec, SessionSpec, SimOutput, TurnSpec, simulate_steps};
+use crate::sim::driver::{
+    InferStats, ModeSpec, SessionSpec, SimOutput, TurnRecord, TurnSpec, simulate_steps,
+};
 use crate::sim::offload::OffloadConfig;
 use crate::sim::{CostModel, EngineRecord, Replica, ReplicaConfig, ReplicaStats};
 
@@ -38,7 +40,7 @@ fn read_each<T>(
     Ok(out)
 }
 
-fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
+pub(super) fn read_sessions(sessions: &Bound<'_, PyAny>) -> Result<Vec<SessionSpec>, Error> {
     read_each(sessions, "sessions", |item| {
         let (session_id, system_tokens, task_tokens, arrival, turns) =
             item.extract::<SessionTuple>().map_err(|e| {
@@ -149,16 +151,7 @@ fn run<'py>(
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     let gate_config = config.map(|c| c.inner().clone()).unwrap_or_default();
     let spec = ModeSpec::from_kind(mode, cap, gate_config)?;
-    let cost = match (profile, profile_text) {
-        (Some(name), None) => CostModel::profile(name)?,
-        (None, Some(text)) => CostModel::from_toml(profile_path.unwrap_or("<profile>"), text)?,
-        _ => {
-            return Err(Error::InvalidInput(
-                "give exactly one of profile= (a built-in name) or profile_text=".into(),
-            )
-            .into());
-        }
-    };
+    let cost = cost_model(profile, profile_path, profile_text)?;
     let d = ReplicaConfig::from_profile(&cost);
     let mut shape = ReplicaConfig {
         num_blocks: num_blocks.unwrap_or(d.num_blocks),
@@ -207,8 +200,8 @@ fn run<'py>(
     Ok(dicts)
 }
 
-fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyDict>> {
-    let r = &out.records;
+/// The turn records as columns (one list per field).
+pub(super) fn records_dict<'py>(py: Python<'py>, r: &[TurnRecord]) -> PyResult<Bound<'py, PyDict>> {
     let columns = PyDict::new(py);
     macro_rules! column {
         ($name:literal, $field:ident) => {
@@ -225,8 +218,12 @@ fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyD
     column!("ready_at", ready_at);
     column!("finished_at", finished_at);
     column!("engine_preemptions", engine_preemptions);
+    Ok(columns)
+}
+
+fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    d.set_item("records", columns)?;
+    d.set_item("records", records_dict(py, &out.records)?)?;
     d.set_item("makespan_sec", out.makespan_sec)?;
     match &out.gate_stats {
         Some(s) => d.set_item("gate_stats", stats_dict(py, s)?)?,
@@ -247,6 +244,21 @@ fn output_dict<'py>(py: Python<'py>, out: &SimOutput) -> PyResult<Bound<'py, PyD
     lost.set_item("tokens", out.lost.tokens)?;
     d.set_item("lost", lost)?;
     Ok(d)
+}
+
+/// The cost model: the built-in `profile`, or the TOML `profile_text` read from `profile_path`.
+pub(super) fn cost_model(
+    profile: Option<&str>,
+    profile_path: Option<&str>,
+    profile_text: Option<&str>,
+) -> Result<CostModel, Error> {
+    match (profile, profile_text) {
+        (Some(name), None) => CostModel::profile(name),
+        (None, Some(text)) => CostModel::from_toml(profile_path.unwrap_or("<profile>"), text),
+        _ => Err(Error::InvalidInput(
+            "give exactly one of profile= (a built-in name) or profile_text=".into(),
+        )),
+    }
 }
 
 /// The profile's `[engine]` record: only the fields it has.
@@ -304,7 +316,7 @@ fn infer_dict<'py>(py: Python<'py>, s: &InferStats) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
-fn replica_dict<'py>(py: Python<'py>, s: &ReplicaStats) -> PyResult<Bound<'py, PyDict>> {
+pub(super) fn replica_dict<'py>(py: Python<'py>, s: &ReplicaStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("steps", s.steps)?;
     d.set_item("busy_sec", s.busy_sec)?;

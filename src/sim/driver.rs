@@ -16,8 +16,8 @@
 //! same records with the bench's own function.
 mod baselines;
 mod cap;
-mod client;
-mod events;
+pub(crate) mod client;
+pub(crate) mod events;
 mod gate_modes;
 pub mod limit;
 pub mod mode;

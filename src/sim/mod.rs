@@ -40,6 +40,7 @@ use std::sync::Arc;
 pub mod block_pool;
 pub mod cost;
 pub mod driver;
+pub mod fleet;
 pub mod host_tier;
 pub mod kv_manager;
 pub mod offload;

@@ -16,7 +16,7 @@ from typing import Any
 
 from session_gate import report
 from session_gate.modes import DEFAULT_MODES, LIMIT_KIND, Mode
-from session_gate.sim import cli
+from session_gate.sim import cli, fleet
 from session_gate.sim.twin import profile_label, run_twin
 
 
@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="runs simulated at once (threads: the native simulation releases the GIL; each "
         "run is deterministic, so the results do not depend on it; default 1)",
     )
+    fleet.add_flags(p)
     args = p.parse_args(argv)
     args.mode_list = cli.modes_of(p, args.modes)
     if args.jobs < 1:
@@ -96,6 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         tune.main(argv[1:])
         return
     args = parse_args(argv)
+    if args.replicas is not None:
+        # The default modes are the single replica's; a fleet runs its own unless told.
+        modes = [m.name for m in args.mode_list]
+        fleet.main(args, list(fleet.FLEET_MODES) if args.modes == DEFAULT_MODES else modes)
+        return
     runs: list[Any] = []
     by_workload = run(args, runs)
     if args.records:
