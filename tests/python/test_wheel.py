@@ -125,9 +125,11 @@ def test_make_wheel_prints_size_tags_entry_points_and_contents(built):
     assert not [n for n in names if n.startswith(("tests/", "target/", "src/"))]
 
 
-#: The bound issue 27 sets for the product's wheel. On 5 Dec 2026 the wheel with the lab measured
-#: 1.77 MB (67 files), the product alone 1.69 MB (38 files): the extension is most of it.
-WHEEL_LIMIT_BYTES = 1_810_000
+#: A guard against shipping the lab, debug info or test data again. Issue 27 set 1.81 MB when the
+#: lab left the wheel: on 5 Dec 2026 the wheel with the lab measured 1.77 MB (67 files), the
+#: product alone 1.69 MB (38 files). The product has grown since (the twin's host tier, limit and
+#: fleet, placement, the tiered probe: 1.85 MB on 6 Dec); the extension is most of it.
+WHEEL_LIMIT_BYTES = 2_000_000
 #: Lab code by name: benchmarks, soak runs, demos, loop-split timers and test fixtures.
 LAB_NAMES = ("bench", "soak", "demo", "gate_splits")
 LAB_FIXTURES = ("vllm_serve.py", "testing.py", "launch.py", "serve.py", "tiny_tokenizer.py")
@@ -416,7 +418,10 @@ async def test_every_metric_the_dashboard_queries_is_exported(stack):
         | _exported_names(strict_metrics)
     )
     # The scheduler-mode panels' metrics need a server in scheduler mode: they are checked
-    # against its /metrics in test_engine_gate_scheduler.
-    missing = sorted(q for q in queried - exported if not q.startswith("session_gate_scheduler_"))
+    # against its /metrics in test_engine_gate_scheduler. The host-tier panels' need a readable
+    # KV tier, which vLLM's CPU backend cannot run: test_probe_tier_inprocess checks the engine
+    # gate's text with vLLM's own connector (exported with a tier, absent without).
+    elsewhere = ("session_gate_scheduler_", "session_gate_offload_")
+    missing = sorted(q for q in queried - exported if not q.startswith(elsewhere))
     assert not missing, f"the dashboard queries metrics nobody exports: {missing}"
     assert metric(strict_metrics, "session_gate_proxy_session_preempted", session="retried") == 1
