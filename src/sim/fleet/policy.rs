@@ -142,6 +142,28 @@ fn counted(stats: &mut PlacementStats, home: usize, to: usize, down: bool) -> Pl
     }
 }
 
+/// A new session placed on `replica`, counted.
+fn placed_new(stats: &mut PlacementStats, replica: usize) -> Placed {
+    stats.new += 1;
+    Placed {
+        replica,
+        reason: PlaceReason::New,
+    }
+}
+
+/// A returning session of a sticky policy: it stays home while home is up, else goes where
+/// `pick` says (counted either way).
+fn sticky_or(
+    stats: &mut PlacementStats,
+    snap: &Snapshot<'_>,
+    home: usize,
+    pick: impl FnOnce() -> Option<usize>,
+) -> Option<Placed> {
+    let down = !snap.views[home].up;
+    let to = if down { pick()? } else { home };
+    Some(counted(stats, home, to, down))
+}
+
 /// The up replica minimising `key`, lowest index on ties.
 fn argmin<K: PartialOrd>(views: &[ReplicaView], key: impl Fn(usize) -> K) -> Option<usize> {
     let mut best: Option<(K, usize)> = None;
@@ -234,11 +256,7 @@ impl Placer for HashRing {
         _: &mut dyn FnMut(usize) -> u64,
     ) -> Option<Placed> {
         let replica = self.lookup(snap.views, turn.session_id)?;
-        self.stats.new += 1;
-        Some(Placed {
-            replica,
-            reason: PlaceReason::New,
-        })
+        Some(placed_new(&mut self.stats, replica))
     }
 
     fn place_returning(
@@ -272,11 +290,7 @@ impl Placer for Sticky {
     ) -> Option<Placed> {
         // Ties (every replica idle at once) go to the fewest sessions, so a burst spreads.
         let replica = argmin(snap.views, |r| (snap.load[r], snap.views[r].sessions))?;
-        self.stats.new += 1;
-        Some(Placed {
-            replica,
-            reason: PlaceReason::New,
-        })
+        Some(placed_new(&mut self.stats, replica))
     }
 
     fn place_returning(
@@ -286,12 +300,9 @@ impl Placer for Sticky {
         home: usize,
         _: &mut dyn FnMut() -> u64,
     ) -> Option<Placed> {
-        let to = if snap.views[home].up {
-            home
-        } else {
-            argmin(snap.views, |r| (snap.load[r], snap.views[r].sessions))?
-        };
-        Some(counted(&mut self.stats, home, to, !snap.views[home].up))
+        sticky_or(&mut self.stats, snap, home, || {
+            argmin(snap.views, |r| (snap.load[r], snap.views[r].sessions))
+        })
     }
 
     fn stats(&self) -> PlacementStats {
@@ -366,11 +377,7 @@ impl Placer for CacheAware {
         _: &mut dyn FnMut(usize) -> u64,
     ) -> Option<Placed> {
         let replica = self.route(snap, turn)?;
-        self.stats.new += 1;
-        Some(Placed {
-            replica,
-            reason: PlaceReason::New,
-        })
+        Some(placed_new(&mut self.stats, replica))
     }
 
     fn place_returning(
@@ -415,11 +422,7 @@ impl Placer for Thunder {
         _: &mut dyn FnMut(usize) -> u64,
     ) -> Option<Placed> {
         let replica = Self::pick(snap)?;
-        self.stats.new += 1;
-        Some(Placed {
-            replica,
-            reason: PlaceReason::New,
-        })
+        Some(placed_new(&mut self.stats, replica))
     }
 
     fn place_returning(
@@ -429,12 +432,7 @@ impl Placer for Thunder {
         home: usize,
         _: &mut dyn FnMut() -> u64,
     ) -> Option<Placed> {
-        let to = if snap.views[home].up {
-            home
-        } else {
-            Self::pick(snap)?
-        };
-        Some(counted(&mut self.stats, home, to, !snap.views[home].up))
+        sticky_or(&mut self.stats, snap, home, || Self::pick(snap))
     }
 
     fn stats(&self) -> PlacementStats {
