@@ -28,7 +28,7 @@ pub mod tokens;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use self::client::{Client, Phase};
+use self::client::{Client, Phase, client_in};
 use self::events::{Event, Events};
 use self::mode::Command;
 pub use self::mode::{Ctx, Mode, ModeSpec, SchedulerHook, SessionIx, TurnView};
@@ -425,25 +425,13 @@ impl Sim {
         self.lost.cancellations += lost.cancellations;
         self.lost.turns += lost.turns;
         self.lost.tokens += lost.tokens;
-        c.turn = 0;
-        c.history = 0;
-        c.phase = Phase::Idle;
-        c.attempt += 1;
+        c.restart_episode();
         Ok(())
     }
 
     /// Session `s`, which must be in `phase` for `what` to make sense.
     fn client(&mut self, s: SessionIx, phase: Phase, what: &str) -> Result<&mut Client> {
-        match self.clients.get_mut(s) {
-            Some(c) if c.phase == phase => Ok(c),
-            Some(c) => Err(Error::InvalidInput(format!(
-                "mode asked to {what} session #{s} while it is {:?}",
-                c.phase
-            ))),
-            None => Err(Error::InvalidInput(format!(
-                "mode asked to {what} session #{s}, which does not exist"
-            ))),
-        }
+        client_in(&mut self.clients, s, phase, what)
     }
 
     fn step_done(&mut self, mode: &dyn Mode, outcome: StepOutcome) -> Result<()> {

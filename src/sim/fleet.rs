@@ -19,7 +19,7 @@ pub mod policy;
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use self::policy::{PlacementKind, Placer, Snapshot, Turn};
-use super::driver::client::{Client, Phase};
+use super::driver::client::{Client, Phase, client_in};
 use super::driver::events::{Event, Events};
 use super::driver::mode::Command;
 use super::driver::tokens::HashChain;
@@ -541,25 +541,13 @@ impl Fleet {
         self.lost.cancellations += lost.cancellations;
         self.lost.turns += lost.turns;
         self.lost.tokens += lost.tokens;
-        c.turn = 0;
-        c.history = 0;
-        c.phase = Phase::Idle;
-        c.attempt += 1;
+        c.restart_episode();
         self.recount(s);
         Ok(())
     }
 
     fn client(&mut self, s: SessionIx, phase: Phase, what: &str) -> Result<&mut Client> {
-        match self.clients.get_mut(s) {
-            Some(c) if c.phase == phase => Ok(c),
-            Some(c) => Err(Error::InvalidInput(format!(
-                "mode asked to {what} session #{s} while it is {:?}",
-                c.phase
-            ))),
-            None => Err(Error::InvalidInput(format!(
-                "mode asked to {what} session #{s}, which does not exist"
-            ))),
-        }
+        client_in(&mut self.clients, s, phase, what)
     }
 
     fn step_done(&mut self, r: usize, outcome: StepOutcome) -> Result<()> {

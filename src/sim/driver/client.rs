@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::mode::TurnView;
 use super::spec::SessionSpec;
 use super::tokens::HashChain;
+use crate::error::{Error, Result};
 use crate::sim::{BlockHash, SimRequest};
 
 /// Where a session is.
@@ -40,7 +41,35 @@ pub(crate) struct Client {
     pub(crate) attempt: u32,
 }
 
+/// Session `s` of `clients`, which must be in `phase` for a mode to `what` it: the one check
+/// the driver and the fleet make before a mode's command acts on a session.
+pub(crate) fn client_in<'a>(
+    clients: &'a mut [Client],
+    s: usize,
+    phase: Phase,
+    what: &str,
+) -> Result<&'a mut Client> {
+    match clients.get_mut(s) {
+        Some(c) if c.phase == phase => Ok(c),
+        Some(c) => Err(Error::InvalidInput(format!(
+            "mode asked to {what} session #{s} while it is {:?}",
+            c.phase
+        ))),
+        None => Err(Error::InvalidInput(format!(
+            "mode asked to {what} session #{s}, which does not exist"
+        ))),
+    }
+}
+
 impl Client {
+    /// The episode was cancelled: it starts again from its first turn, as a new attempt.
+    pub(crate) fn restart_episode(&mut self) {
+        self.turn = 0;
+        self.history = 0;
+        self.phase = Phase::Idle;
+        self.attempt += 1;
+    }
+
     pub(crate) fn new(spec: SessionSpec, chain: HashChain) -> Self {
         Self {
             spec,
