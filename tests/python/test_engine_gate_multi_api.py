@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import get_text, metric, served_multi_api, word_ids
+from conftest import gate_stats, get_text, metric, served_multi_api, word_ids
 
 MAX_WAIT = 2.0
 GATE_ENV = {
@@ -65,16 +65,10 @@ def prompt_tokens(url: str) -> float:
     return metric(get_text(f"{url}/metrics"), "vllm:prompt_tokens_total")
 
 
-def stats(url: str) -> dict:
-    r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def wait_for_no_leases(url: str) -> None:
     deadline = time.monotonic() + 20
-    while stats(url)["leases_active"]:
-        assert time.monotonic() < deadline, stats(url)
+    while gate_stats(url)["leases_active"]:
+        assert time.monotonic() < deadline, gate_stats(url)
         time.sleep(0.1)
 
 
@@ -90,7 +84,7 @@ def test_both_api_server_processes_gate_through_the_one_engine_gate(url):
             break
     assert len(clients) == 2, f"every request of {TRIES} went to one API-server process"
     wait_for_no_leases(url)
-    s = stats(url)
+    s = gate_stats(url)
     # One gate saw both processes' clients and every lease each of them took and gave back.
     assert s["engine_gate"]["clients"] >= 2
     assert s["leases_released"] == s["admissions_total"] >= 2
@@ -105,7 +99,7 @@ def test_admits_through_different_processes_commit_against_one_line(url):
     hog = gated(url, "line-hog", word_ids(500, 3136), 64)  # 100 blocks
     assert hog.headers["x-session-gate-reason"] == "open"
     hog_client = hog.headers["x-session-gate-client"]
-    assert stats(url)["committed_blocks"] == 100
+    assert gate_stats(url)["committed_blocks"] == 100
     try:
         other = None
         for i in range(TRIES):
@@ -137,4 +131,4 @@ def test_admits_through_different_processes_commit_against_one_line(url):
     assert r.headers["x-session-gate-reason"] == "open"
     finish(url, "line-after")
     wait_for_no_leases(url)
-    assert stats(url)["committed_blocks"] == 0
+    assert gate_stats(url)["committed_blocks"] == 0
