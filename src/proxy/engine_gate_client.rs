@@ -274,49 +274,59 @@ impl EngineGateClient {
     }
 }
 
+/// How long a renewal may take before it is given up while no engine has told its TTL yet
+/// (the engines' default `SESSION_GATE_LEASE_TTL_SEC`).
+const DEFAULT_TTL: Duration = Duration::from_secs(30);
+
 /// Renews this proxy's client id on every replica every third of the engine's lease TTL, so
 /// the leases of requests still streaming outlive the TTL. Runs until aborted.
 ///
 /// Every replica, healthy or not: a replica busy enough to miss a health check (a CPU engine
 /// saturated by long streams) is still streaming this proxy's admitted turns, and skipping it
-/// would let their leases expire mid-stream. The renewals go out together, each bounded by the
-/// period, and the period runs from their start, so a slow replica delays no other renewal.
+/// would let their leases expire mid-stream. Each renewal runs as its own task, bounded by the
+/// whole TTL rather than the period: a renewal an overloaded API server answers late still
+/// counts on the engine (giving it up at the period, as this once did, could let three slow
+/// ones in a row expire the client while it was alive), and the next round starts on time
+/// whatever the last one's replicas do.
 pub async fn heartbeat(gate: Arc<EngineGateClient>, replicas: Arc<Replicas>) {
-    let mut every = FIRST_RENEW;
+    // The period in microseconds, shortened by the first answers that tell the engines' TTL.
+    let period_us = Arc::new(AtomicU64::new(FIRST_RENEW.as_micros() as u64));
     loop {
         let started = tokio::time::Instant::now();
-        let renewals = replicas.list.iter().map(|replica| {
+        let every = Duration::from_micros(period_us.load(Ordering::Relaxed));
+        let give_up = if every == FIRST_RENEW {
+            DEFAULT_TTL
+        } else {
+            every * 3
+        };
+        for replica in replicas.list.iter() {
             let target = Target::new(&gate, replica);
             let healthy = replica.is_healthy();
-            async move {
+            let period_us = period_us.clone();
+            tokio::spawn(async move {
                 let body = json!({ "client_id": target.client_id });
                 let answer =
-                    match tokio::time::timeout(every, target.post_json("renew", &body)).await {
+                    match tokio::time::timeout(give_up, target.post_json("renew", &body)).await {
                         Ok(answer) => answer,
                         Err(_) => Err(format!(
-                            "{}{PREFIX}/renew did not answer within {every:?}",
+                            "{}{PREFIX}/renew did not answer within {give_up:?}",
                             target.base
                         )),
                     };
-                (healthy, answer)
-            }
-        });
-        let mut shortest: Option<Duration> = None;
-        for (healthy, answer) in futures_util::future::join_all(renewals).await {
-            match answer {
-                Ok(answer) => {
-                    if let Some(ttl) = answer.get("lease_ttl_sec").and_then(Value::as_f64) {
-                        let third = Duration::from_secs_f64((ttl / 3.0).clamp(0.05, 60.0));
-                        shortest = Some(shortest.map_or(third, |s| s.min(third)));
+                match answer {
+                    Ok(answer) => {
+                        if let Some(ttl) = answer.get("lease_ttl_sec").and_then(Value::as_f64) {
+                            let third = Duration::from_secs_f64((ttl / 3.0).clamp(0.05, 60.0));
+                            period_us.fetch_min(third.as_micros() as u64, Ordering::Relaxed);
+                        }
                     }
+                    // An unhealthy replica's failures are the health check's to report.
+                    Err(e) if healthy => {
+                        eprintln!("session-gate proxy: engine gate heartbeat: {e}")
+                    }
+                    Err(_) => {}
                 }
-                // An unhealthy replica's failures are the health check's to report.
-                Err(e) if healthy => eprintln!("session-gate proxy: engine gate heartbeat: {e}"),
-                Err(_) => {}
-            }
-        }
-        if let Some(s) = shortest {
-            every = s;
+            });
         }
         tokio::time::sleep_until(started + every).await;
     }
