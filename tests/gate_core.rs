@@ -944,3 +944,41 @@ fn session_state_is_dropped_once_nothing_refers_to_it() {
     );
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn a_running_lease_grows_its_commitment_and_never_shrinks_it() {
+    // vLLM's streaming-input session: one request, each chunk extends its prompt.
+    let mut c = core();
+    let lease = lease_of(&turn(&mut c, "stream", 20, true, 0.0));
+    assert_eq!(c.stats().committed_blocks, 20);
+    assert!(c.grow_lease(lease, tokens(30) as u64 + 1));
+    assert_eq!(c.stats().committed_blocks, 31, "whole blocks, rounded up");
+    assert!(
+        !c.grow_lease(lease, tokens(25) as u64),
+        "a shorter chunk frees nothing"
+    );
+    assert_eq!(c.stats().committed_blocks, 31);
+    // The grown set is what a cold newcomer is weighed against: 31 + 60 > the 85-block line.
+    let id = c.begin("other", tokens(60), 0, false, 1.0);
+    let waits = drive(&mut c, id, 1.0, usage(0.1), hit(0.0));
+    assert!(matches!(waits.action, Action::Wait { .. }), "{waits:?}");
+    // Released, the idle window keeps the grown set; the lease is gone for good.
+    assert!(c.release(lease, 2.0));
+    assert_eq!(c.stats().committed_blocks, 31);
+    assert!(
+        !c.grow_lease(lease, tokens(40) as u64),
+        "a released lease grows nothing"
+    );
+    assert_eq!(c.stats().committed_blocks, 31);
+    c.cancel(id, 2.0);
+}
+
+#[test]
+fn a_lease_that_outlived_its_reservation_grows_nothing() {
+    let mut c = core();
+    let lease = lease_of(&turn(&mut c, "s", 10, true, 0.0));
+    assert!(c.finish_session("s", 1.0));
+    assert!(!c.grow_lease(lease, tokens(50) as u64));
+    assert_eq!(c.stats().committed_blocks, 0);
+    assert!(c.release(lease, 2.0));
+}

@@ -354,6 +354,9 @@ class EngineGateBook:
     def release(self, lease: object, client_id: object | None = None) -> bool: ...
     def cancel(self, ticket: object, client_id: object | None, now: float) -> bool: ...
     def finish(self, session_id: object, client_id: object | None, now: float) -> bool: ...
+    def grow_lease(self, lease: int, ws_tokens: int) -> bool:
+        """Grows the working set the held ``lease`` commits to ``ws_tokens`` (never shrinks);
+        whether it grew."""
     def renew(self, client_id: object, now: float) -> tuple[int, int]:
         """``(leases, pending)`` the client holds."""
     def tick(self, now: float) -> list[tuple[str, float, int, int]]:

@@ -256,6 +256,13 @@ impl<T> EngineBook<T> {
         })
     }
 
+    /// Grows the working set a held lease commits to (`GateCore::grow_lease`); whether it
+    /// grew. No client call: only the holder inside the engine (the scheduler) knows a running
+    /// request took more input.
+    pub fn grow_lease(&mut self, lease: u64, ws_tokens: u64) -> bool {
+        self.core.grow_lease(LeaseId(lease), ws_tokens)
+    }
+
     /// Ends a session's ownership window; whether it had one.
     pub fn finish(
         &mut self,

@@ -773,6 +773,15 @@ impl PyEngineGateBook {
         .map_err(|e| bad_input(py, e))
     }
 
+    /// Grows the working set the held lease `lease` commits to `ws_tokens` (prompt +
+    /// max_tokens of the request it admitted, which took more input since); whether it grew.
+    fn grow_lease(&mut self, py: Python<'_>, lease: u64, ws_tokens: u64) -> PyResult<bool> {
+        no_panic("EngineGateBook.grow_lease", || {
+            self.with_book(py, |book, _| Ok(book.grow_lease(lease, ws_tokens)))
+        })
+        .map_err(|e| bad_input(py, e))
+    }
+
     /// Ends a session's ownership window; whether it had one.
     #[pyo3(signature = (session_id, client_id, now))]
     fn finish(

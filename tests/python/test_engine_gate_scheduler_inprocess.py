@@ -148,13 +148,15 @@ async def test_a_streaming_input_session_holds_its_first_chunks_lease_until_it_e
     """vLLM's own sessions (streaming input: one resumable request, KV kept between chunks):
     the gate decides on the first chunk; the lease stays committed while the session waits for
     its next chunk (its blocks stay allocated) and is released when the stream ends. Later
-    chunks are not held (holding them would free nothing: their blocks are the request's)."""
+    chunks are not held (holding them would free nothing: their blocks are the request's), but
+    each grows the lease's committed working set to what the request now holds."""
     from vllm.engine.protocol import StreamingInput
     from vllm.sampling_params import RequestOutputKind
 
     before = await sched(engine)
-    chunks = [prompt(6, 100), prompt(7, 40)]
-    sent = [asyncio.Event() for _ in chunks]
+    chunks = [prompt(6, 100), prompt(7, 200)]
+    # Chunk i > 0 is sent once the test read the stats after chunk i - 1 (``proceed[i]``).
+    proceed = [asyncio.Event() for _ in chunks]
     finished = [asyncio.Event() for _ in chunks]
     close = asyncio.Event()
 
@@ -165,8 +167,9 @@ async def test_a_streaming_input_session_holds_its_first_chunks_lease_until_it_e
 
     async def inputs():
         for i, tokens in enumerate(chunks):
+            if i:
+                await proceed[i].wait()
             yield StreamingInput({"prompt_token_ids": list(tokens)}, params(4))
-            sent[i].set()
             await finished[i].wait()
         await close.wait()
 
@@ -175,18 +178,27 @@ async def test_a_streaming_input_session_holds_its_first_chunks_lease_until_it_e
         async for out in engine.generate(
             inputs(), params(1), request_id=f"stream-{next(_ids)}", session_id="streamed"
         ):
-            if out.outputs[0].finish_reason is not None:
+            if out.outputs[0].finish_reason is not None and chunk < len(finished):
                 finished[chunk].set()
                 chunk += 1
 
     task = asyncio.ensure_future(consume())
     await asyncio.wait_for(finished[0].wait(), 120)
-    paused = await sched(engine)
+    stats = await call(engine, "session_gate_stats", "json")
+    paused = stats["scheduler"]
     assert paused["gated"] == before["gated"] + 1 and paused["leases"] == 1, paused
+    # 100 prompt + 4 output tokens, in 32-token blocks.
+    assert stats["committed_blocks"] == 4, stats
+    proceed[1].set()
     await asyncio.wait_for(finished[1].wait(), 120)
-    resumed = await sched(engine)
+    stats = await call(engine, "session_gate_stats", "json")
+    resumed = stats["scheduler"]
     assert resumed["gated"] == paused["gated"] and resumed["leases"] == 1, resumed
     assert resumed["held"] == before["held"], resumed
+    # The second chunk's request: 100 + 3 kept answer tokens (vLLM drops the last sampled
+    # one) + 200 prompt tokens, and 4 to generate: 307 tokens, 10 blocks.
+    assert resumed["stream_chunks_grown"] == before["stream_chunks_grown"] + 1, resumed
+    assert stats["committed_blocks"] == 10, stats
     close.set()
     await asyncio.wait_for(task, 120)
 

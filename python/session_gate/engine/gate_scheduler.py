@@ -41,8 +41,10 @@ resumable request whose blocks stay allocated while it waits for its next chunk)
 their first chunk, under their session id (or inferred session). The lease then stays committed
 for the whole stream, waiting included, and is released when vLLM frees the request at the
 stream's end; later chunks are never held (their request is already decided: holding them
-would free nothing, the blocks are the request's). The committed working set is the first
-chunk's prompt and ``max_tokens``: it does not grow with later chunks.
+would free nothing, the blocks are the request's). Each later chunk grows the committed working
+set to the request's new prompt (every chunk so far and the kept answers) and that chunk's
+``max_tokens`` (``Scheduler._update_request_as_session``, wrapped: ``on_chunk``); it never
+shrinks while the stream lives.
 
 ``max_wait`` bounds every hold. In this mode ``SESSION_GATE_MAX_WAIT_SEC`` defaults to
 ``DEFAULT_MAX_WAIT_SEC`` (7,200 s, ``_native.SCHEDULER_MAX_WAIT_SEC``: the gate's own order
@@ -315,6 +317,21 @@ class SchedulerGate:
         # the scheduler) the book releases the lease it granted.
         self._book.cancel(held.ticket, SCHEDULER_CLIENT, _now())
 
+    # -- a streaming-input request takes its next chunk (engine thread) ---------------------
+
+    def on_chunk(self, request: Any) -> None:
+        """Grows the lease of a streaming-input request that took its next chunk to what the
+        request now holds: its whole prompt and the chunk's ``max_tokens``."""
+        lease = self._decided.get(request.request_id)
+        if lease is None:
+            return
+        max_tokens = request.max_tokens
+        if max_tokens is None and request.sampling_params is not None:
+            max_tokens = request.sampling_params.max_tokens
+        ws_tokens = len(request.prompt_token_ids or ()) + (max_tokens or 0)
+        if self._book.grow_lease(lease, ws_tokens):
+            self.counters["stream_chunks_grown"] += 1
+
     # -- the driver's tick (engine thread) --------------------------------------------------
 
     def keep_alive(self, now: float) -> None:
@@ -343,6 +360,7 @@ class SchedulerGate:
                 "ungated_error",
                 "errors",
                 "hold_ms_total",
+                "stream_chunks_grown",
             )
         }
         out["mode"] = self.mode
@@ -424,6 +442,22 @@ def _wrap_handle_blocked(original: Any, infer: bool) -> Any:
     return _handle_blocked_waiting_request
 
 
+def _wrap_update_as_session(original: Any) -> Any:
+    def _update_request_as_session(self: Any, session: Any, update: Any) -> None:
+        original(self, session, update)
+        gate = self.__dict__.get(SCHEDULER_GATE_ATTR)
+        if gate is None:
+            return
+        try:
+            gate.on_chunk(session)
+        except Exception:  # noqa: BLE001 - never take the scheduler down
+            gate.counters["errors"] += 1
+            logger.exception("session_gate: growing the lease of %s failed", session.request_id)
+
+    _update_request_as_session.__wrapped__ = original  # type: ignore[attr-defined]
+    return _update_request_as_session
+
+
 def _wrap_add_request(original: Any) -> Any:
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         if SCHEDULER_GATE_ATTR not in self.__dict__:
@@ -453,8 +487,9 @@ def _start(core: Any) -> None:
 
 
 def install() -> bool:
-    """In scheduler mode, wraps ``Scheduler._handle_blocked_waiting_request`` and
-    ``EngineCore.add_request`` (idempotent); False when the setting is off. Raises
+    """In scheduler mode, wraps ``Scheduler._handle_blocked_waiting_request``,
+    ``Scheduler._update_request_as_session`` (where vLLM has it) and ``EngineCore.add_request``
+    (idempotent); False when the setting is off. Raises
     ``ValueError`` for a bad setting and ``AttributeError`` for a vLLM without the hook."""
     global installed, mode
     if installed:
@@ -469,6 +504,10 @@ def install() -> bool:
     add = EngineCore.add_request
     Scheduler._handle_blocked_waiting_request = _wrap_handle_blocked(handle, wanted == INFER)
     EngineCore.add_request = _wrap_add_request(add)
+    # Streaming input (vLLM 0.32 on): a vLLM without it has no chunks to count.
+    chunk = getattr(Scheduler, "_update_request_as_session", None)
+    if chunk is not None:
+        Scheduler._update_request_as_session = _wrap_update_as_session(chunk)
     installed = True
     mode = wanted
     return True

@@ -194,6 +194,20 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="vllm.v1.core.sched.scheduler.Scheduler._update_request_as_session",
+        how="wrapped once in the engine core process, only in scheduler mode (gate_scheduler): "
+        "vLLM's own update runs first; then, if the streaming-input request holds a lease, the "
+        "lease's committed working set grows to its new prompt and the chunk's max_tokens",
+        why="a streaming-input session takes its next chunk into the same request, with no new "
+        "admission; this is where vLLM extends its prompt, so the gate counts what the request "
+        "now holds instead of its first chunk's size",
+        removable_when="vLLM offers a plugin hook on a streaming request's next chunk",
+        checks=(
+            "vllm.v1.core.sched.scheduler:Scheduler._update_request_as_session",
+            "vllm.v1.request:Request#max_tokens",
+        ),
+    ),
+    Patch(
         symbol="vllm.v1.engine.core.EngineCore.add_request",
         how="wrapped once, only in scheduler mode: on an engine core's first request it builds "
         "the engine gate (if no utility call did) and its scheduler's gate, then forwards; "

@@ -530,6 +530,31 @@ impl GateCore {
         Some(&self.sessions.get(rec.slot).id)
     }
 
+    /// Grows the working set a lease's reservation commits to `ws_tokens` (prompt + max_tokens)
+    /// while the lease runs: a request that takes more input without a new admission (vLLM's
+    /// streaming-input sessions: each chunk extends the same request) commits what it now
+    /// holds. Never shrinks (a shorter chunk frees no block the request holds) and wakes
+    /// nobody (less room cannot admit anyone). Returns whether the commitment grew; false for
+    /// an unknown lease or one without a reservation (engine pressure mode's `open`).
+    pub fn grow_lease(&mut self, lease: LeaseId, ws_tokens: u64) -> bool {
+        let Some(rec) = self.leases.get(&lease.0) else {
+            return false;
+        };
+        let blocks = self.blocks(ws_tokens);
+        let session = self.sessions.get_mut(rec.slot);
+        let Some(res) = session.reservation.as_mut() else {
+            return false;
+        };
+        if rec.reservation != Some(res.age) || ws_tokens <= res.ws_tokens {
+            return false;
+        }
+        let blocks = blocks.unwrap_or(0);
+        self.ledger.resize(res.age, res.ws_blocks, blocks);
+        res.ws_tokens = ws_tokens;
+        res.ws_blocks = blocks;
+        true
+    }
+
     /// Whether the session currently holds a reservation (in flight or idle).
     pub fn has_reservation(&self, session_id: &str) -> bool {
         self.sessions
