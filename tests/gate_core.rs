@@ -982,3 +982,40 @@ fn a_lease_that_outlived_its_reservation_grows_nothing() {
     assert_eq!(c.stats().committed_blocks, 0);
     assert!(c.release(lease, 2.0));
 }
+
+/// A usage answer of an engine whose host KV tier holds `tier` GPU blocks.
+fn usage_with_tier(u: f64, tier: u64) -> Result<UsageReport, String> {
+    let mut r = usage_report(u, BLOCKS, BS as u64);
+    r.offload_num_blocks = Some(tier);
+    r.offload_used_blocks = Some(tier);
+    Ok(r)
+}
+
+#[test]
+fn the_gate_steps_aside_while_the_host_tier_holds_every_committed_working_set() {
+    let mut c = core();
+    turn(&mut c, "big", 80, true, 0.0);
+    // 80 + 60 > the 85-block line and usage is over the watermark, but the tier holds 140.
+    let id = c.begin("cold", tokens(60), 0, true, 1.0);
+    let run = drive(&mut c, id, 1.0, usage_with_tier(0.95, 140), hit(0.0));
+    assert_eq!(run.reason(), Reason::Open);
+    assert_eq!(run.prefix_probes, 0);
+    assert_eq!(c.stats().committed_blocks, 140);
+    // A returning session is counted once: 140 - 60 + 70 = 150 fits a 150-block tier.
+    let id = c.begin("cold", tokens(70), 0, true, 2.0);
+    let run = drive(&mut c, id, 2.0, usage_with_tier(0.95, 150), hit(0.0));
+    assert_eq!(run.reason(), Reason::Open);
+    assert!(!run.admitted().revoked);
+}
+
+#[test]
+fn a_tier_too_small_for_the_committed_working_sets_leaves_the_gate_as_it_was() {
+    let mut c = core();
+    turn(&mut c, "big", 80, true, 0.0);
+    // 80 + 60 = 140 > a 139-block tier: the decision tree as without a tier.
+    let id = c.begin("cold", tokens(60), 0, true, 1.0);
+    let run = drive(&mut c, id, 1.0, usage_with_tier(0.5, 139), hit(0.0));
+    assert!(matches!(run.action, Action::Wait { .. }), "{run:?}");
+    assert_eq!(run.prefix_probes, 1);
+    c.cancel(id, 1.0);
+}

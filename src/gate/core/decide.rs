@@ -27,6 +27,9 @@ impl GateCore {
                 Step::Prefix
             }
             Pressure::Committed => {
+                if fifo_ok && self.tier_holds(slot, ws) {
+                    return Step::Admit(Reason::Open);
+                }
                 let usage = usage.unwrap_or(0.0);
                 let committed = self.ledger.committed();
                 if let Some(res) = &self.sessions.get(slot).reservation {
@@ -88,6 +91,26 @@ impl GateCore {
                 Step::Prefix
             }
         }
+    }
+
+    /// Whether the engine's host KV tier holds every committed working set with this one's
+    /// (`ws` blocks, replacing the session's own reservation): then an evicted prefix reloads
+    /// from the tier instead of being recomputed, and holding the turn back costs more than
+    /// it saves (module docs, "With a host KV tier").
+    fn tier_holds(&self, slot: u32, ws: Option<u64>) -> bool {
+        let (Some(g), Some(ws)) = (self.geometry, ws) else {
+            return false;
+        };
+        let Some(tier) = g.tier_blocks else {
+            return false;
+        };
+        let own = self
+            .sessions
+            .get(slot)
+            .reservation
+            .as_ref()
+            .map_or(0, |r| r.ws_blocks);
+        self.ledger.committed() - own + ws <= tier
     }
 
     /// Yielding idle room (module docs): lets a working set of `ws` blocks fit under `line`

@@ -8,6 +8,9 @@
 //!
 //! **Committed** (default). `line = high_watermark × num_blocks`; `ws` = blocks of prompt +
 //! max_tokens; `committed` = working sets of every reserved session (in flight or idle).
+//! 0. The engine has a readable host KV tier that holds `committed + ws` (the session's own
+//!    reservation counted once), and FIFO allows it → `open`, whatever the usage and the line:
+//!    the gate steps aside (see "With a host KV tier").
 //! 1. The session holds a reservation: if older reservations are committed and their working
 //!    sets plus this `ws` exceed `line`, the reservation is *revoked* (counted; the lease says
 //!    `revoked`) and the attempt goes on as a cold one, but keeps its session's place in line
@@ -53,16 +56,22 @@
 //! default 60 s, sessions whose tools return within 30 s, and within twice the usual return
 //! gap, never lose their room to a waiter.
 //!
-//! **With a host KV tier** the yield rule is the same. Yielding an idle room at once when the
-//! engine has a tier (its prefix would reload rather than be recomputed) was measured on the
-//! twin (`docs/lab-notes/host-tier.md`): it loses 50% of makespan where the tier cannot hold
-//! the working sets (32B, 512 GiB: the yielded prefixes leave the tier before their sessions
-//! return) and wins 3% where it can; yielding after one turn time changes nothing. Admitting
-//! everything `open` while the tier is not full was measured too and not kept either: it
-//! wins up to 8% while the tier holds the working sets but loses 2–3% on others, and a tier
-//! fills up once and then stays full (its LRU evicts only to store), so in a long-running
-//! engine it would do nothing. A prefix that did leave the GPU but sits in the tier comes back
-//! as `offloaded_prefix` (step 3).
+//! **With a host KV tier** that holds every committed working set (step 0), the gate steps
+//! aside: a prefix evicted from the GPU reloads from the tier (vLLM stores every computed
+//! prompt block there) in milliseconds instead of being recomputed, so holding a turn back to
+//! keep prefixes resident costs batch size and saves little. The committed set still counts
+//! every admitted session (each `open` admission reserves) until its idle window ends, so it
+//! measures the live working sets the tier must hold; once they outgrow the tier the decision
+//! tree is as without one. Measured on the twin (`docs/lab-notes/host-tier.md`): no slower
+//! than no gate (within 0.1%) on every H200 row whose tier holds the working sets, where the
+//! tree alone was up to 11% slower, and 6-9% faster than the tree alone on 32B with a 512 GiB
+//! tier that holds a fifth of them (the gate steps aside until the sessions outgrow it). The
+//! cost: on 7B `rl-async` stepping aside is 2% slower than the GPU-only gate (no gate with the
+//! tier is too). Rejected on the same runs: yielding idle rooms at once (loses 50% where the
+//! tier cannot hold the working sets), and admitting `open` while the tier is not full (a tier
+//! fills once and stays full, so in a long-running engine that rule does nothing). The yield
+//! rule is the same with or without a tier. A prefix that did leave the GPU but sits in the
+//! tier comes back as `offloaded_prefix` (step 3).
 //!
 //! Idle reservations that may yield also go before a revocation (step 1): when a returning
 //! session's grown working set would revoke it, idle rooms that may yield are dropped first if
@@ -138,6 +147,8 @@ pub(crate) const GONE_AFTER_GAPS: f64 = 2.0;
 struct Geometry {
     num_blocks: u64,
     block_size: u64,
+    /// The host KV tier's capacity in GPU blocks, if the engine has a readable one.
+    tier_blocks: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -393,6 +404,7 @@ impl GateCore {
             self.set_geometry(Geometry {
                 num_blocks: r.num_blocks,
                 block_size: r.block_size,
+                tier_blocks: r.offload_num_blocks,
             });
         }
         Ok(())
