@@ -120,24 +120,27 @@ def test_a_streaming_chunk_in_flight_is_left_to_vllm():
     first = request("s")
     engine = c.get_core_engine_for_request(first)
     chunk = request("s")
-    chunk.request_id = first.request_id  # vLLM keeps a streaming request on its core
-    assert c.get_core_engine_for_request(chunk) is engine
-    assert chunk.data_parallel_rank is None
+    chunk.request_id = first.request_id  # vLLM 0.32+ keeps a streaming request on its core
+    load(c, ENGINES.index(engine), 50)
+    c.get_core_engine_for_request(chunk)
+    assert chunk.data_parallel_rank is None  # not pinned: vLLM routes it as it would alone
+    assert dp_pin.client_stats(c) == {"pins": 1, "placed": 1}
 
 
 def test_finish_forgets_the_pin():
     c = client()
     calls = []
 
-    async def call_utility_all_async(method, *args):  # the engines' answers (no IPC here)
-        calls.append((method, args))
-        return [True, False]
+    async def _call_utility_async(method, *args, engine):  # an engine's answer (no IPC here)
+        calls.append((method, args, engine))
+        return engine == ENGINES[0]
 
-    c.call_utility_all_async = call_utility_all_async
+    c._call_utility_async = _call_utility_async
     route(c, request("s"))
     route(c, request("t"))
     assert asyncio.run(c.call_utility_async("session_gate_finish", "s")) is True
-    assert calls == [("session_gate_finish", ("s",))]
+    # vLLM's DP client asks every engine core (each keeps its own gate) and answers the first's.
+    assert calls == [("session_gate_finish", ("s",), engine) for engine in ENGINES]
     assert dp_pin.client_stats(c)["pins"] == 1
     assert dp_pin.client_stats(c)["forgotten"] == 1
     asyncio.run(c.call_utility_async("session_gate_stats", "json"))

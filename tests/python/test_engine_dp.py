@@ -44,17 +44,18 @@ def served_by_rank(url: str) -> dict[int, float]:
     return counts
 
 
-def complete(url: str, prompt: str, session_id: str | None = None, **headers: str) -> int:
-    """One completion on a new connection; returns the DP rank that served it."""
+def complete(
+    url: str, prompt: str, session_id: str | None = None, in_body: bool = False, **headers: str
+) -> int:
+    """One completion on a new connection, its session id in the ``x-session-id`` header (or
+    the body's ``session_id``); returns the DP rank that served it."""
     before = served_by_rank(url)
-    if session_id is not None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    if session_id is not None and in_body:
+        body["session_id"] = session_id
+    elif session_id is not None:
         headers["x-session-id"] = session_id
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={"model": "tiny", "prompt": prompt, "max_tokens": 2},
-        headers=headers,
-        timeout=120,
-    )
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
     deadline = time.monotonic() + 30
     while True:
@@ -76,8 +77,9 @@ def test_each_sessions_turns_reach_one_rank(url):
     gated_before = gate_stats(url)["scheduler"]["gated"]
     ranks: dict[str, list[int]] = {s: [] for s in SESSIONS}
     for turn in range(TURNS):
-        for session in SESSIONS:
-            ranks[session].append(complete(url, history(session, turn), session))
+        for i, session in enumerate(SESSIONS):
+            in_body = i % 2 == 1  # vLLM reads the id from the header or from the body
+            ranks[session].append(complete(url, history(session, turn), session, in_body))
     assert all(len(set(r)) == 1 for r in ranks.values()), ranks
     homes = {s: r[0] for s, r in ranks.items()}
     assert set(homes.values()) == {0, 1}, homes  # vLLM's balancer placed them on both ranks
