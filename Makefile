@@ -32,12 +32,12 @@ test-python: setup
 # The checks that need no running engine, against vLLM 0.33.0 (the GPU wheel, overlaid on this
 # venv by scripts/setup.sh): patch ledger, hashing differential, probe fidelity and read-only
 # checks on an in-process KVCacheManager (and on the offloading connector's host tier), the twin's
-# block-pool differential.
+# block-pool differential, the DP session pins on vLLM's own balancer.
 VLLM_NEXT_VERSION := 0.33.0
 VLLM_NEXT := $(dir $(VENV))vllm-$(VLLM_NEXT_VERSION)
 INPROCESS_TESTS := tests/python/test_patch_ledger.py tests/python/test_hash_differential.py \
 	tests/python/test_probe_inprocess.py tests/python/test_sim_block_pool.py \
-	tests/python/test_probe_tier_inprocess.py
+	tests/python/test_probe_tier_inprocess.py tests/python/test_dp_pin_unit.py
 test-vllm-next: setup
 	SESSION_GATE_EXPECT_VLLM=$(VLLM_NEXT_VERSION) PYTHONPATH=$(VLLM_NEXT) \
 		$(PY) -m pytest -q $(INPROCESS_TESTS)

@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import gate_binding, gate_scheduler, methods
+from session_gate.engine import dp_pin, gate_binding, gate_scheduler, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -138,7 +138,9 @@ def session_gate_cancel(self: EngineCore, ticket: Any, client_id: Any = None) ->
 
 
 def session_gate_finish(self: EngineCore, session_id: Any, client_id: Any = None) -> bool:
-    """End the session's ownership window now and drop its hash chain."""
+    """End the session's ownership window now and drop its hash chain (and its DP pin, on
+    the engine core that keeps the pins: ``dp_pin``)."""
+    dp_pin.forget_in_core(self, session_id)
     return _checked(_driver(self).finish, session_id, client_id)
 
 
@@ -152,7 +154,8 @@ def session_gate_stats(self: EngineCore, fmt: Any = "json", build: Any = True) -
     ``"inferred"``: the scheduler mode's recent inferences (``infer``), a list of
     ``[request_id, session, kind]``, oldest first (empty in other modes). ``build=False``
     answers None while this engine has no gate yet instead of building one (a reader that must
-    not start a gate: ``metrics_mirror``)."""
+    not start a gate: ``metrics_mirror``). The JSON has ``dp_pins`` on the engine core that
+    keeps the DP pins' authority table, once it has one (``dp_pin``)."""
     if fmt not in ("json", "prometheus", "inferred"):
         raise ValueError(
             f'{BAD_GATE_INPUT}: fmt must be "json", "prometheus" or "inferred", got {fmt!r}'
@@ -163,7 +166,13 @@ def session_gate_stats(self: EngineCore, fmt: Any = "json", build: Any = True) -
     if fmt == "inferred":
         gate = driver.scheduler_gate
         return [list(row) for row in gate.recent_inferred] if gate is not None else []
-    return driver.stats() if fmt == "json" else driver.prometheus()
+    if fmt == "prometheus":
+        return driver.prometheus()
+    answer = driver.stats()
+    pins = dp_pin.core_stats(self)
+    if pins is not None:  # the first engine core of a DP engine with several API servers
+        answer["dp_pins"] = pins
+    return answer
 
 
 UTILITY_METHODS = {

@@ -243,6 +243,48 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="vllm.v1.engine.core_client.DPLBAsyncMPClient.get_core_engine_for_request / "
+        "add_request_async / call_utility_async (data parallelism with internal balancing)",
+        how="wrapped once per process (dp_pin); vLLM's own code runs in every case. A request "
+        "with a session_id and no data_parallel_rank (not pooling, not a streaming-input chunk "
+        "already in flight) gets its session's pinned rank written into "
+        "EngineCoreRequest.data_parallel_rank before vLLM's balancer reads it; a session's first "
+        "turn is placed by vLLM's balancer and its engine's index becomes the pin. With several "
+        "API-server processes (client_count > 1), add_request_async first asks the first engine "
+        "core for a pin this process lacks (_call_utility_async, one round trip); "
+        "call_utility_async forgets the pin after a session_gate_finish. Nothing else changes: "
+        "other requests cost one attribute read and a type test",
+        why="vLLM's balancer sends each request to the least-loaded core, so one session's turns "
+        "scatter across the DP ranks' caches; data_parallel_rank is vLLM's own way to pin a "
+        "request (the X-data-parallel-rank header sets it), and the balancing client is the one "
+        "place every request of every API server passes with its session id",
+        removable_when="vLLM's DP balancer offers session affinity",
+        checks=(
+            "vllm.v1.engine.core_client:DPLBAsyncMPClient.get_core_engine_for_request",
+            "vllm.v1.engine.core_client:DPLBAsyncMPClient.add_request_async",
+            "vllm.v1.engine.core_client:DPLBAsyncMPClient.call_utility_async",
+            "vllm.v1.engine.core_client:DPLBAsyncMPClient#reqs_in_flight",
+            "vllm.v1.engine.core_client:DPLBAsyncMPClient#client_count",
+            "vllm.v1.engine.core_client:MPClient#core_engines",
+            "vllm.v1.engine.core_client:AsyncMPClient._call_utility_async",
+            "vllm.v1.engine:EngineCoreRequest.data_parallel_rank",
+            "vllm.v1.engine:EngineCoreRequest.session_id",
+            "vllm.v1.engine:EngineCoreRequest.pooling_params",
+            "vllm.v1.engine:EngineCoreRequest.request_id",
+            "vllm.entrypoints.generate.base.serving:GenerateBaseServing._get_data_parallel_rank",
+        ),
+    ),
+    Patch(
+        symbol="EngineCore.session_gate_dp_pin",
+        how="added as new attributes, like the probes; only the first engine core's are called "
+        "(the pins' authority between API-server processes), and session_gate_finish drops the "
+        "session's pin there",
+        why="several API-server processes balance over the same engine cores, and a session's "
+        "turns may enter any of them: one table decides its rank",
+        removable_when="vLLM's DP balancer offers session affinity",
+        checks=("vllm.v1.engine.core:EngineCoreProc._invoke_utility_method",),
+    ),
+    Patch(
         symbol="vllm.v1.engine.core.EngineCore.post_step",
         how="wrapped once: the original runs, then the engine gate ticks if its timer is due "
         "(one dict lookup and one attribute read per step otherwise)",

@@ -16,7 +16,8 @@ _registered = False
 
 def register() -> None:
     """Add the session_gate utility methods (probes, then the engine gate) to vLLM's
-    ``EngineCore``, and with ``SESSION_GATE_SCHEDULER=session-id`` the gate in its scheduler
+    ``EngineCore``, the session pins of data parallelism to its DP balancing client
+    (``dp_pin``), and with ``SESSION_GATE_SCHEDULER=session-id`` the gate in its scheduler
     (``gate_scheduler``), once per process."""
     global _registered
     if _registered:
@@ -28,6 +29,12 @@ def register() -> None:
         install()
     except Exception as exc:  # never take vLLM down with us
         logger.warning("session_gate: plugin disabled, vLLM serves without probes: %r", exc)
+    try:
+        from session_gate.engine.dp_pin import install as install_dp_pin
+
+        install_dp_pin()
+    except Exception as exc:  # DP serves unpinned, as vLLM alone does
+        logger.warning("session_gate: sessions are not pinned to DP ranks: %r", exc)
     try:
         from session_gate.engine.gate_methods import install as install_gate
 

@@ -1,0 +1,120 @@
+"""A session's turns all reach one DP rank, on a real ``vllm serve --data-parallel-size 2``.
+
+vLLM's CPU backend runs two engine cores (one per DP rank, each with its own KV cache and its
+own engine gate) behind two API-server processes (``--api-server-count 2``, what vLLM defaults
+to for DP 2), balanced by vLLM's internal load balancer. Every request is a new connection, so a
+session's turns enter either API-server process; the pins (``dp_pin``) must agree across them.
+
+Which rank served a request is read from vLLM's own metrics: ``vllm:request_success_total`` is
+labelled by engine (= DP rank); requests are sent one at a time, so the engine whose count rose
+served it. The first rank's gate (scheduler mode, ``SESSION_GATE_SCHEDULER=session-id``) is a
+second witness: it gates exactly the session turns rank 0 served.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+from conftest import gate_stats, served_multi_api
+
+SESSIONS = [f"dp-session-{i}" for i in range(6)]
+TURNS = 4
+
+
+@pytest.fixture(scope="module")
+def url():
+    with served_multi_api(
+        "dp",
+        extra_args=["--data-parallel-size", "2", "--max-num-seqs", "8"],
+        env={"SESSION_GATE_SCHEDULER": "session-id"},
+    ) as base:
+        yield base
+
+
+def served_by_rank(url: str) -> dict[int, float]:
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    counts = {0: 0.0, 1: 0.0}
+    for line in text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            rank = int(re.search(r'engine="(\d+)"', line).group(1))
+            counts[rank] += float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def complete(
+    url: str, prompt: str, session_id: str | None = None, in_body: bool = False, **headers: str
+) -> int:
+    """One completion on a new connection, its session id in the ``x-session-id`` header (or
+    the body's ``session_id``); returns the DP rank that served it."""
+    before = served_by_rank(url)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
+    if session_id is not None and in_body:
+        body["session_id"] = session_id
+    elif session_id is not None:
+        headers["x-session-id"] = session_id
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+    while True:
+        after = served_by_rank(url)
+        grew = [rank for rank in after if after[rank] > before[rank]]
+        if sum(after.values()) - sum(before.values()) >= 1:
+            assert len(grew) == 1, (before, after)
+            return grew[0]
+        assert time.monotonic() < deadline, f"no engine counted the request: {after}"
+        time.sleep(0.05)
+
+
+def history(session: str, turn: int) -> str:
+    """A session's prompt at ``turn``: its earlier turns' text, then the new one."""
+    return " ".join(f"{session} turn {t} says hello to the tools" for t in range(turn + 1))
+
+
+def test_each_sessions_turns_reach_one_rank(url):
+    gated_before = gate_stats(url)["scheduler"]["gated"]
+    ranks: dict[str, list[int]] = {s: [] for s in SESSIONS}
+    for turn in range(TURNS):
+        for i, session in enumerate(SESSIONS):
+            in_body = i % 2 == 1  # vLLM reads the id from the header or from the body
+            ranks[session].append(complete(url, history(session, turn), session, in_body))
+    assert all(len(set(r)) == 1 for r in ranks.values()), ranks
+    homes = {s: r[0] for s, r in ranks.items()}
+    assert set(homes.values()) == {0, 1}, homes  # vLLM's balancer placed them on both ranks
+    # Rank 0's own gate saw exactly the turns of the sessions that live there.
+    on_rank0 = sum(TURNS for home in homes.values() if home == 0)
+    assert gate_stats(url)["scheduler"]["gated"] - gated_before == on_rank0
+    # The authority (rank 0's engine core) recorded each session once, from whichever
+    # API-server process placed it; a process that saw a session later asked it.
+    pins = gate_stats(url)["dp_pins"]
+    assert pins["pins"] == len(SESSIONS) and pins["recorded"] == len(SESSIONS), pins
+    assert pins.get("recorded_lost", 0) == 0, pins
+    print(f"authority: {pins}")
+
+
+def test_requests_without_session_ids_are_balanced_by_vllm(url):
+    pins_before = gate_stats(url)["dp_pins"]["pins"]
+    ranks = [complete(url, history("no id", 2)) for _ in range(8)]
+    assert set(ranks) == {0, 1}, ranks  # the same prompt, spread: vLLM's balancer, unpinned
+    assert gate_stats(url)["dp_pins"]["pins"] == pins_before
+
+
+def test_a_request_that_names_a_rank_is_left_alone(url):
+    home = complete(url, history("named", 0), "named")
+    other = 1 - home
+    assert complete(url, history("named", 1), "named", **{"X-data-parallel-rank": str(other)}) == (
+        other
+    )
+    assert complete(url, history("named", 2), "named") == home
+
+
+def test_finish_forgets_the_pin(url):
+    complete(url, history("finished", 0), "finished")
+    before = gate_stats(url)["dp_pins"]
+    r = httpx.post(f"{url}/finish_session", params={"session_id": "finished"}, timeout=60)
+    assert r.status_code == 200, r.text
+    after = gate_stats(url)["dp_pins"]
+    assert after["pins"] == before["pins"] - 1, (before, after)
+    assert after.get("forgotten", 0) == before.get("forgotten", 0) + 1
