@@ -188,3 +188,31 @@ def test_the_authority_keeps_the_first_pin_and_forgets_on_finish():
     for bad in (-1, True, "1"):
         with pytest.raises(ValueError, match="rank"):
             dp_pin.session_gate_dp_pin(core, "s", bad)
+
+
+async def test_the_lease_doors_refuse_a_client_of_several_engine_cores():
+    """The refusal itself (the engine test sees it over HTTP): a lease door is refused before
+    any call when the client fans out to several cores; probes and one core pass."""
+    from types import SimpleNamespace
+
+    from session_gate.engine.http_routes import ProbeError, _Routes
+
+    calls = []
+
+    class Core:
+        def __init__(self, engines: int) -> None:
+            self.core_engines = list(range(engines))
+
+        async def call_utility_async(self, method, *args):
+            calls.append(method)
+            return True
+
+    several = _Routes(SimpleNamespace(engine_core=Core(2)), None)
+    for method in ("session_gate_admit", "session_gate_release", "session_gate_renew"):
+        with pytest.raises(ProbeError) as err:
+            await several.call(method, "x")
+        assert err.value.status == 501 and "SESSION_GATE_SCHEDULER" in err.value.message
+    assert calls == []
+    assert await several.call("session_gate_usage") is True
+    assert await _Routes(SimpleNamespace(engine_core=Core(1)), None).call("session_gate_admit")
+    assert calls == ["session_gate_usage", "session_gate_admit"]

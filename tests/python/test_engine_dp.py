@@ -118,3 +118,15 @@ def test_finish_forgets_the_pin(url):
     after = gate_stats(url)["dp_pins"]
     assert after["pins"] == before["pins"] - 1, (before, after)
     assert after.get("forgotten", 0) == before.get("forgotten", 0) + 1
+
+
+def test_the_lease_doors_refuse_dp_with_a_clear_error(url):
+    """A lease door's call reaches every rank's gate and lease ids are per rank: refused (501,
+    naming why and what to use), never answered from one rank and released on another. The
+    middleware lets such requests pass ungated (the scheduler gates them)."""
+    body = {"session_id": "dp-lease", "token_ids": [1, 2, 3], "max_tokens": 4}
+    r = httpx.post(f"{url}/session_gate/v1/admit", json=body, timeout=60)
+    assert r.status_code == 501, r.text
+    assert "data-parallel-size" in r.text and "SESSION_GATE_SCHEDULER" in r.text, r.text
+    r = httpx.post(f"{url}/session_gate/v1/release", json={"lease": 1}, timeout=60)
+    assert r.status_code == 501, r.text

@@ -50,7 +50,13 @@ from starlette.requests import Request
 
 from session_gate.engine import gate_binding
 from session_gate.engine.gate_routes import DEFAULT_MAX_TOKENS, long_poll_admit
-from session_gate.engine.http_routes import _STATE_ATTR, ProbeError, _token_ids, prompt_ids
+from session_gate.engine.http_routes import (
+    _STATE_ATTR,
+    DP_LEASE_DOORS,
+    ProbeError,
+    _token_ids,
+    prompt_ids,
+)
 from session_gate.probes import pack_token_ids
 from session_gate.remote_gate import new_client_id
 
@@ -84,6 +90,9 @@ class SessionGateMiddleware:
         routes = getattr(scope["app"].state, _STATE_ATTR, None) if "app" in scope else None
         if routes is None:
             self._warn_once("routes", "the session_gate endpoint plugin is not loaded")
+            return await self.app(scope, receive, send)
+        if routes.several_engines:  # DP ranks: the scheduler mode gates there, not leases
+            self._warn_once("dp", f"requests pass ungated: {DP_LEASE_DOORS}")
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         if body is None:  # the client left before sending its body

@@ -96,6 +96,19 @@ def _engine_failure(exc: BaseException) -> ProbeError:
     return ProbeError(500, f"session_gate probe failed in the engine: {message}")
 
 
+#: The engine gate's lease doors: calls that name a lease, ticket or client of one gate.
+LEASE_METHODS = frozenset(
+    ("session_gate_admit", "session_gate_release", "session_gate_cancel", "session_gate_renew")
+)
+#: Why the lease doors refuse a server whose client fans out to several engine cores.
+DP_LEASE_DOORS = (
+    "the engine gate's lease doors (admit, release, cancel, renew) cannot serve vllm serve "
+    "--data-parallel-size > 1 with vLLM's internal load balancing: each DP rank has its own "
+    "gate and a call reaches all of them; use SESSION_GATE_SCHEDULER=session-id, whose "
+    "sessions are pinned to one rank"
+)
+
+
 class _Routes:
     """Per-app state: how to reach the engine core and the server's tokenizer."""
 
@@ -105,10 +118,20 @@ class _Routes:
         #: The engine gate's lease TTL, once an answer told it (``gate_routes``).
         self.lease_ttl_sec: float | None = None
 
+    @property
+    def several_engines(self) -> bool:
+        """Whether this server's engine client fans a utility call out to several engine cores
+        (DP with internal load balancing): lease ids are per core, so a lease door's answer
+        from one core and its release on all of them would mix sessions up."""
+        core = getattr(self.engine_client, "engine_core", None)
+        return len(getattr(core, "core_engines", None) or ()) > 1
+
     async def call(self, method: str, *args: Any) -> Any:
         client = self.engine_client
         if client is None or not hasattr(client, "engine_core"):
             raise ProbeError(503, "this vLLM server has no engine to probe")
+        if method in LEASE_METHODS and self.several_engines:
+            raise ProbeError(501, DP_LEASE_DOORS)
         try:
             return await client.engine_core.call_utility_async(method, *args)
         except ProbeError:
