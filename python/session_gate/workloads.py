@@ -72,6 +72,15 @@ class Workload:
             for s in self.sessions
         )
 
+    @property
+    def engine_max_model_len(self) -> int:
+        """The ``max_model_len`` the real bench starts this workload's engine with: its longest
+        sequence + 64, within the cache. ``aimd`` sizes its first cap from it (KV capacity over
+        ``max_model_len``, as prime-rl does), so an engine of another length changes that mode's
+        result; the twin derives the same number from the same sessions."""
+        e = self.engine
+        return min(self.max_prompt_tokens + 64, (e.num_blocks - 1) * e.block_size)
+
     def describe(self) -> str:
         turns = sum(len(s.turns) for s in self.sessions)
         e = self.engine
@@ -129,6 +138,32 @@ def mixed_workload(seed: int = 0) -> Workload:
     short = _sessions(rng, "short", 12, 3, (100, 300))
     mixed = [s for pair in zip(long, short, strict=False) for s in pair] + short[len(long) :]
     return Workload("mixed", tuple(mixed), seed=seed)
+
+
+def unshared_workload(seed: int = 0) -> Workload:
+    """20 sessions x 12 turns with no shared prefix (no system prompt; a 1,000-token task each),
+    +200-600 tool tokens and +32 output a turn, and log-normal tool times (median 1 s, sigma 0.8,
+    0.1-15 s: a few calls run many times longer than the rest). The shape of the unseen trace on
+    which the real engine's ``aimd`` once took 1.8x the twin's makespan (issue 29): its engine
+    was started for a longer trace (see :attr:`Workload.engine_max_model_len`)."""
+    rng = random.Random(f"unshared:{seed}")
+    out = [
+        SessionSpec(
+            f"u{i}",
+            0,
+            1000,
+            tuple(
+                Turn(
+                    append=0 if t == 0 else rng.randint(200, 600),
+                    output=32,
+                    tool_latency=round(_lognormal(rng, 1.0, 0.8, 0.1, 15.0), 3),
+                )
+                for t in range(12)
+            ),
+        )
+        for i in range(20)
+    ]
+    return Workload("unshared", tuple(out), seed=seed)
 
 
 def load_trace(path: str | Path, engine: EngineShape | None = None, seed: int = 0) -> Workload:
@@ -331,7 +366,7 @@ def long_tool_workload(seed: int = 0) -> Workload:
     return Workload("long-tool", tuple(out), seed=seed, profile_shape=True)
 
 
-WORKLOADS = {"default": default_workload, "mixed": mixed_workload}
+WORKLOADS = {"default": default_workload, "mixed": mixed_workload, "unshared": unshared_workload}
 #: Workloads only the twin runs (on the profile's replica shape); see the module docstring.
 SCALE_WORKLOADS = {"rl-rollout": rl_rollout_workload, "rl-async": rl_async_workload}
 SCALE_WORKLOADS.update({"cheap-prefill": cheap_prefill_workload, "long-tool": long_tool_workload})

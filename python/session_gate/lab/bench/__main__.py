@@ -47,11 +47,10 @@ def _engine_for(workload: Workload) -> Any:
     from session_gate.lab.engine.launch import make_async_llm
 
     e = workload.engine
-    max_len = workload.max_prompt_tokens + 64
     return make_async_llm(
         num_blocks=e.num_blocks,
         block_size=e.block_size,
-        max_model_len=min(max_len, (e.num_blocks - 1) * e.block_size),
+        max_model_len=workload.engine_max_model_len,
         max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
     )
@@ -73,7 +72,7 @@ async def run(args: argparse.Namespace, results: list[Any] | None = None) -> dic
 
     def engine(setting: str | None, workload: Workload) -> Any:
         llm, shape = engines.get(setting, (None, None))
-        if llm is None or shape != workload.engine or _too_short(llm, workload):
+        if llm is None or not engine_fits(shape, llm.model_config.max_model_len, workload):
             if llm is not None:
                 llm.shutdown()
             started = time.perf_counter()
@@ -154,8 +153,13 @@ async def _scheduler_delta(llm: Any, mode: str, before: dict[str, Any]) -> dict[
     return out
 
 
-def _too_short(llm: Any, workload: Workload) -> bool:
-    return llm.model_config.max_model_len < workload.max_prompt_tokens + 64
+def engine_fits(shape: Any, max_model_len: int, workload: Workload) -> bool:
+    """Whether an engine of ``shape`` and ``max_model_len`` is the one ``workload`` would start.
+    Not merely long enough: ``aimd`` reads the engine's ``max_model_len`` (its first cap is KV
+    capacity over it), so a workload run on an engine started for a longer one ran ``aimd`` at a
+    smaller cap than its own engine, and than the twin, gives it (issue 29: 1.8x the twin's
+    makespan on a 20 x 12 trace after a longer one)."""
+    return shape == workload.engine and max_model_len == workload.engine_max_model_len
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     print(spec.describe(), flush=True)
     e = spec.engine
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache between modes
-    max_len = min(spec.max_prompt_tokens + 64, (e.num_blocks - 1) * e.block_size)
+    max_len = spec.engine_max_model_len
 
     @contextlib.contextmanager
     def served(scheduler: str | None):
