@@ -854,10 +854,39 @@ async fn forward(
             return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
         }
     };
-    let (parts, incoming) = upstream.into_parts();
+    let (parts, mut incoming) = upstream.into_parts();
     guard.status = parts.status.as_u16();
+    // The answer is passed on from its first body frame, not its headers: a turn whose replica
+    // dies between the two (vLLM sends a stream's headers before its first token) has given
+    // the client nothing, and is placed again like one never sent. A replica still alive that
+    // failed there answers 502, as any failure after sending.
+    let first = match tokio::time::timeout(timeout, incoming.frame()).await {
+        Ok(Some(Ok(frame))) => Some(frame),
+        Ok(None) => None,
+        Ok(Some(Err(e))) if gone(proxy, replica).await => {
+            guard.finish(Outcome::Rerouted);
+            return Attempt::NotSent(format!("{uri}: {e} (the replica is gone)"));
+        }
+        Ok(Some(Err(e))) => {
+            guard.finish(Outcome::UpstreamFailed);
+            return Attempt::Done(error(
+                StatusCode::BAD_GATEWAY,
+                "BadGatewayError",
+                format!(
+                    "replica {} failed before its answer began (not retried): {e}",
+                    replica.url.base
+                ),
+            ));
+        }
+        Err(_) => {
+            guard.status = 504;
+            guard.finish(Outcome::UpstreamFailed);
+            return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
+        }
+    };
     let idle_timeout = Duration::from_secs_f64(proxy.config.idle_timeout_sec);
     let mut response = Response::new(Body::new(Tracked {
+        first,
         inner: incoming,
         guard,
         idle: Box::pin(tokio::time::sleep(idle_timeout)),
@@ -916,6 +945,8 @@ impl Guard {
 /// lease until the answer is complete or abandoned. A body silent for longer than the idle
 /// timeout is cut off (the client sees the answer end early; it is not retried).
 struct Tracked {
+    /// The body's first frame, read before the answer was passed on ([`forward`]).
+    first: Option<Frame<Bytes>>,
     inner: Incoming,
     guard: Guard,
     idle: Pin<Box<tokio::time::Sleep>>,
@@ -931,6 +962,12 @@ impl HttpBody for Tracked {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
         let this = &mut *self;
+        if let Some(frame) = this.first.take() {
+            if this.inner.is_end_stream() {
+                this.guard.finish(Outcome::Completed);
+            }
+            return Poll::Ready(Some(Ok(frame)));
+        }
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) => this.guard.finish(Outcome::Completed),
@@ -960,21 +997,130 @@ impl HttpBody for Tracked {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.first.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
+        let mut hint = self.inner.size_hint();
+        let first = self
+            .first
+            .as_ref()
+            .and_then(Frame::data_ref)
+            .map_or(0, |d| d.len() as u64);
+        if first > 0 {
+            // Upper first: a lower bound above the upper one panics.
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper + first);
+            }
+            hint.set_lower(hint.lower() + first);
+        }
+        hint
     }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        let outcome = if self.inner.is_end_stream() {
+        let outcome = if self.is_end_stream() {
             Outcome::Completed
         } else {
             Outcome::ClientDisconnected
         };
         self.guard.finish(outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::config::{ProxyArgs, ProxyConfig};
+
+    /// A proxy over two replicas nobody listens on (nothing here connects to them).
+    fn proxy(wait_poll_sec: f64, max_wait_sec: Option<f64>) -> Arc<Proxy> {
+        let args = ProxyArgs {
+            replicas: vec!["http://127.0.0.1:9".into(), "http://127.0.0.1:10".into()],
+            wait_poll_sec: Some(wait_poll_sec),
+            max_wait_sec,
+            ..Default::default()
+        };
+        Proxy::new(ProxyConfig::from_toml(&args, "").unwrap()).unwrap()
+    }
+
+    /// Fills every replica's backlog: two new sessions waiting for admission on each.
+    fn backlog(proxy: &Proxy) -> Vec<Awaiting> {
+        let turn = placing::session_view(64, 16, 16);
+        (0..4)
+            .map(
+                |k| match proxy.replicas.place(&format!("w{k}"), &turn, 0, false) {
+                    Placing::Route(route) => {
+                        proxy.replicas.get(route.index).awaiting_admission(true)
+                    }
+                    other => panic!("w{k}: {other:?}"),
+                },
+            )
+            .collect()
+    }
+
+    async fn placed(proxy: &Arc<Proxy>, session: &str) -> Option<Route> {
+        let (method, headers, body, request) = (
+            Method::POST,
+            HeaderMap::new(),
+            Bytes::new(),
+            json!({ "prompt": "x" }),
+        );
+        let t = Turn {
+            session,
+            kind: Kind::Completions,
+            path: "/v1/completions",
+            method: &method,
+            headers: &headers,
+            body: &body,
+            request: &request,
+            max_tokens: Some(16),
+            started: Instant::now(),
+        };
+        place_turn(proxy, t, &[7; 64]).await
+    }
+
+    #[tokio::test]
+    async fn a_held_new_session_goes_as_soon_as_a_first_turn_is_admitted() {
+        // A poll far longer than the test: only the wake can place it in time.
+        let proxy = proxy(60.0, None);
+        let mut waiting = backlog(&proxy);
+        let held = tokio::spawn({
+            let proxy = proxy.clone();
+            async move { placed(&proxy, "late").await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !held.is_finished(),
+            "placed while every replica had its backlog"
+        );
+        // The last one's first turn is admitted: the held session goes where it waited.
+        let freed_index = proxy.replicas.session_replica("w3").unwrap();
+        drop(waiting.pop());
+        let route = tokio::time::timeout(Duration::from_secs(5), held)
+            .await
+            .expect("woken by the admission")
+            .unwrap()
+            .expect("a replica");
+        assert_eq!(route.index, freed_index);
+        assert_eq!(route.reason, Some(PlaceReason::New));
+        let (stats, timeouts) = proxy.replicas.placement_stats();
+        assert!(stats.held >= 1, "{stats:?}");
+        assert_eq!((stats.new, timeouts), (5, 0));
+    }
+
+    #[tokio::test]
+    async fn a_held_new_session_is_placed_past_the_backlogs_after_max_wait() {
+        let proxy = proxy(60.0, Some(0.3));
+        let _waiting = backlog(&proxy);
+        let started = Instant::now();
+        let route = tokio::time::timeout(Duration::from_secs(5), placed(&proxy, "late"))
+            .await
+            .expect("placed after max_wait_sec")
+            .expect("a replica");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert_eq!(route.reason, Some(PlaceReason::New));
+        assert_eq!(proxy.replicas.placement_stats().1, 1);
     }
 }
