@@ -155,3 +155,46 @@ fn timeouts_and_keys_have_defaults_and_are_checked() {
         assert_eq!(e.field, field, "{toml}");
     }
 }
+
+/// A replicas file in the system's temp directory, named for the test.
+fn replicas_file(name: &str, text: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("session-gate-{name}-{}.txt", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_replicas_file_adds_to_the_flags_and_a_bad_line_is_named() {
+    let path = replicas_file(
+        "fleet",
+        "# fleet\nhttp://b:2\n\nhttp://a:1  # dup of a flag\n",
+    );
+    let mut a = args(&["http://a:1"]);
+    a.replicas_file = Some(path.clone());
+    let c = ProxyConfig::from_toml(&a, "").unwrap();
+    let bases: Vec<_> = c.replicas.iter().map(|r| r.base.as_str()).collect();
+    assert_eq!(bases, ["http://a:1", "http://b:2"]);
+    assert_eq!(c.static_replicas.len(), 1);
+    assert_eq!(c.replicas_file.as_ref().unwrap().0, path);
+
+    // The file alone is enough; from TOML too.
+    let toml = format!("replicas_file = {:?}\n", path.display().to_string());
+    let c = ProxyConfig::from_toml(&args(&[]), &toml).unwrap();
+    assert_eq!(c.replicas.len(), 2);
+    assert!(c.static_replicas.is_empty());
+
+    std::fs::write(&path, "http://b:2\nftp://c\n").unwrap();
+    let mut a = args(&[]);
+    a.replicas_file = Some(path.clone());
+    let e = ProxyConfig::from_toml(&a, "").unwrap_err();
+    assert_eq!(e.field, "replicas_file");
+    assert!(
+        e.message.contains("line 2") && e.message.contains("ftp://c"),
+        "{e}"
+    );
+
+    std::fs::write(&path, "# nobody yet\n").unwrap();
+    assert_eq!(field_of(ProxyConfig::from_toml(&a, "")), "replicas");
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(field_of(ProxyConfig::from_toml(&a, "")), "replicas_file");
+}

@@ -40,6 +40,12 @@ pub struct ProxyArgs {
     #[arg(long = "replica", value_name = "URL", value_delimiter = ',')]
     pub replicas: Vec<String>,
 
+    /// File listing more replicas, one URL a line (`#` comments), re-read while the proxy runs
+    /// (polled every 2 s): a replica added takes new sessions, a removed one takes none and its
+    /// sessions move at their next turn.
+    #[arg(long, value_name = "PATH")]
+    pub replicas_file: Option<PathBuf>,
+
     /// Header carrying the session id when the path has none [default: x-session-id].
     #[arg(long, value_name = "NAME")]
     pub session_header: Option<String>,
@@ -144,6 +150,7 @@ pub struct ProxyArgs {
 struct FileConfig {
     listen: Option<String>,
     replicas: Option<Vec<String>>,
+    replicas_file: Option<PathBuf>,
     session_header: Option<String>,
     high_watermark: Option<f64>,
     hit_threshold: Option<f64>,
@@ -208,8 +215,14 @@ pub struct ReplicaUrl {
 pub struct ProxyConfig {
     /// Where to listen.
     pub listen: SocketAddr,
-    /// The replicas, in the order given.
+    /// The replicas at startup, in the order given: the static ones (flags or the TOML file's
+    /// `replicas`), then the replicas file's.
     pub replicas: Vec<ReplicaUrl>,
+    /// The static replicas (flags or TOML `replicas`): always listed, whatever the replicas file
+    /// says later.
+    pub static_replicas: Vec<ReplicaUrl>,
+    /// The replicas file (`--replicas-file`) and its text at startup, if one was given.
+    pub replicas_file: Option<(PathBuf, String)>,
     /// Lower-cased header name carrying the session id.
     pub session_header: String,
     /// Each replica's gate configuration (validated).
@@ -347,12 +360,6 @@ impl ProxyConfig {
         } else {
             args.replicas.clone()
         };
-        if replica_list.is_empty() {
-            return Err(err(
-                "replicas",
-                "at least one replica is needed (--replica http://host:port)",
-            ));
-        }
         let mut replicas = Vec::with_capacity(replica_list.len());
         for (i, url) in replica_list.iter().enumerate() {
             let r = parse_replica(&format!("replicas[{i}]"), url)?;
@@ -363,6 +370,27 @@ impl ProxyConfig {
                 ));
             }
             replicas.push(r);
+        }
+        let static_replicas = replicas.clone();
+        let replicas_file = match args.replicas_file.clone().or(file.replicas_file) {
+            None => None,
+            Some(path) => {
+                let (text, urls) =
+                    super::replicas_file::read(&path).map_err(|e| err("replicas_file", e))?;
+                for url in urls {
+                    if !replicas.iter().any(|o| o.base == url.base) {
+                        replicas.push(url);
+                    }
+                }
+                Some((path, text))
+            }
+        };
+        if replicas.is_empty() {
+            return Err(err(
+                "replicas",
+                "at least one replica is needed (--replica http://host:port, or a \
+                 --replicas-file that lists one)",
+            ));
         }
         let session_header = args
             .session_header
@@ -476,6 +504,8 @@ impl ProxyConfig {
         Ok(Self {
             listen,
             replicas,
+            static_replicas,
+            replicas_file,
             session_header,
             gate,
             usage_cache_ms,

@@ -299,7 +299,7 @@ pub async fn heartbeat(gate: Arc<EngineGateClient>, replicas: Arc<Replicas>) {
         } else {
             every * 3
         };
-        for replica in replicas.list.iter() {
+        for replica in replicas.snapshot().iter() {
             let target = Target::new(&gate, replica);
             let healthy = replica.is_healthy();
             let period_us = period_us.clone();

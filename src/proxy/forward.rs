@@ -5,9 +5,11 @@
 //! The lease lives inside the response body ([`Tracked`]): it is released when the upstream
 //! answer has been passed on completely, when the upstream fails, or when the client goes away
 //! (the body is dropped; dropping the upstream body closes that connection, and vLLM aborts the
-//! request). Every request reaches vLLM at most once: only a request whose connection to its
-//! replica could not be opened (nothing was sent) goes to another healthy replica, its session
-//! re-pinned there. Upstream calls have a connect, a response and an idle timeout (flags).
+//! request). Every request is answered by vLLM at most once: only a request whose connection
+//! to its replica could not be opened (nothing was sent), or whose exchange broke before any
+//! answer while the replica then refuses connections (it is gone, and its work with it), is
+//! placed again, its session moving. Upstream calls have a connect, a response and an idle
+//! timeout (flags).
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -25,9 +27,13 @@ use serde_json::{Value, json};
 
 use super::Proxy;
 use super::metrics::Outcome;
+use super::placing;
+use super::placing::Grade;
 use super::replica_gate::{AdmitError, ReplicaLease};
-use super::replicas::{Replica, Route};
-use super::upstream::{is_hop_header, never_sent, post_request};
+use super::replicas::{self, Awaiting, Health, Placing, Replica, Route};
+use super::upstream::{self, is_hop_header, never_sent, post_request};
+use crate::gate::Probe;
+use crate::gate::placement::{self, PlaceReason};
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
 const CHAT_TOKENIZE_KEYS: [&str; 8] = [
@@ -106,7 +112,7 @@ pub async fn finish(
     let Some(index) = proxy.replicas.forget_session(&session) else {
         return axum::Json(json!({ "session_id": session, "finished": false })).into_response();
     };
-    let replica = &proxy.replicas.list[index];
+    let replica = &proxy.replicas.get(index);
     let ended = match proxy.replica_gate.finish_session(replica, &session).await {
         Ok(ended) => ended,
         Err(e) => return error(StatusCode::BAD_GATEWAY, "BadGatewayError", e),
@@ -164,7 +170,7 @@ pub async fn metrics(State(proxy): State<Arc<Proxy>>, headers: HeaderMap) -> Res
 
 /// `GET /health`: 200 while at least one replica is healthy.
 pub async fn health(State(proxy): State<Arc<Proxy>>) -> Response {
-    if proxy.replicas.list.iter().any(|r| r.is_healthy()) {
+    if proxy.replicas.listed().iter().any(|r| r.is_healthy()) {
         StatusCode::OK.into_response()
     } else {
         error(
@@ -316,18 +322,165 @@ async fn handle(
         max_tokens,
         started,
     };
-    let next = || {
-        let route = proxy.replicas.route_session(&session)?;
-        if let Some(from) = route.moved_from {
-            leave_replica(&proxy, from, &session);
+    serve_turn(&proxy, turn).await
+}
+
+/// A gated turn: tokenized (on its home, else any replica: they serve one model, and placement
+/// needs the prompt's length), placed ([`place_turn`]), tokenized again on the replica chosen
+/// if that is another one (a replica that cannot answer `/tokenize` gets no turn: it may accept
+/// connections and drop requests), then admitted and forwarded there. A replica that could not
+/// be reached (at tokenize, admit or forward) has seen nothing of the turn: it is marked
+/// unhealthy and the turn is placed again, its session moving.
+async fn serve_turn(proxy: &Arc<Proxy>, t: Turn<'_>) -> Response {
+    let mut last_failure = String::new();
+    // The prompt's ids and the replica that tokenized them.
+    let mut prompt: Option<(Vec<u32>, usize)> = None;
+    for _ in 0..=proxy.replicas.snapshot().len() * 2 {
+        let Some(index) = prompt
+            .as_ref()
+            .map(|p| p.1)
+            .or_else(|| proxy.replicas.tokenizer(t.session))
+        else {
+            return no_replica(proxy, t.kind);
+        };
+        if prompt.is_none() {
+            match tokenize(proxy, index, t).await {
+                Ok(ids) => prompt = Some((ids, index)),
+                Err(Attempt::Done(response)) => return response,
+                Err(Attempt::NotSent(why)) => {
+                    last_failure = why;
+                    continue;
+                }
+            }
         }
-        Some(route)
+        let Some((ids, tokenized_on)) = &prompt else {
+            continue;
+        };
+        let Some(route) = place_turn(proxy, t, ids).await else {
+            return no_replica(proxy, t.kind);
+        };
+        let replica = proxy.replicas.get(route.index);
+        // Counted as waiting there (placement's queue and backlog) until the gate answers.
+        let waiting = replica.awaiting_admission(route.reason == Some(PlaceReason::New));
+        if let Some(from) = route.moved_from {
+            leave_replica(proxy, from, t.session);
+        }
+        if route.index != *tokenized_on {
+            match tokenize(proxy, route.index, t).await {
+                Ok(ids) => prompt = Some((ids, route.index)),
+                Err(Attempt::Done(response)) => return response,
+                Err(Attempt::NotSent(why)) => {
+                    last_failure = why;
+                    continue;
+                }
+            }
+        }
+        let ids = prompt.as_ref().map_or(&[][..], |p| &p.0[..]);
+        match gated(proxy, &replica, t, ids, route, waiting).await {
+            Attempt::Done(response) => return response,
+            Attempt::NotSent(why) => {
+                replica.mark_unhealthy(&why);
+                last_failure = why;
+            }
+        }
+    }
+    unreachable_replicas(proxy, t.kind, &last_failure)
+}
+
+/// The turn's prompt ids from replica `index`: `Err(Done)` for the client (the replica's own
+/// error, counted rejected), `Err(NotSent)` when the replica could not be reached (counted
+/// rerouted, marked unhealthy: the caller goes on elsewhere).
+async fn tokenize(proxy: &Arc<Proxy>, index: usize, t: Turn<'_>) -> Result<Vec<u32>, Attempt> {
+    let replica = proxy.replicas.get(index);
+    match prompt_ids(proxy, &replica, t.kind, t.request).await {
+        Ok(ids) => Ok(ids),
+        Err(Attempt::Done(response)) => {
+            proxy.metrics.request(
+                &replica.url.base,
+                t.kind.route(),
+                response.status().as_u16(),
+                Outcome::Rejected,
+                0,
+                0.0,
+            );
+            Err(Attempt::Done(response))
+        }
+        Err(Attempt::NotSent(why)) => {
+            rerouted(proxy, &replica, t.kind);
+            replica.mark_unhealthy(&why);
+            Err(Attempt::NotSent(why))
+        }
+    }
+}
+
+/// Where this turn goes, by the placement policy ([`Replicas::place`]). A new session that no
+/// replica would take now (each has its backlog of new sessions waiting) is held here and asked
+/// about again when a turn is admitted or finishes, a replica's health or the list changes, or
+/// every `wait_poll_sec`; held `max_wait_sec` (the gate's), it goes where it would go were no
+/// replica backlogged. `None`: no replica is up.
+async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Option<Route> {
+    let gate = &proxy.config.gate;
+    let max_tokens = t.max_tokens.unwrap_or(gate.default_max_tokens);
+    let view = placing::session_view(prompt_ids.len(), max_tokens, proxy.replicas.block_size());
+    let poll = Duration::from_secs_f64(gate.wait_poll_sec);
+    let deadline = gate
+        .max_wait_sec
+        .map(|s| Instant::now() + Duration::from_secs_f64(s));
+    loop {
+        let changed = proxy.replicas.changed();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let home_hit = home_hit(proxy, t.session, prompt_ids, &view).await;
+        let past = deadline.is_some_and(|d| Instant::now() >= d);
+        match proxy.replicas.place(t.session, &view, home_hit, past) {
+            Placing::Route(route) => return Some(route),
+            Placing::NoReplica => return None,
+            Placing::Hold => {
+                let wake = deadline.map_or(poll, |d| {
+                    poll.min(d.saturating_duration_since(Instant::now()))
+                });
+                let _ = tokio::time::timeout(wake, changed).await;
+            }
+        }
+    }
+}
+
+/// The prompt blocks of a returning session resident on its home: all of them while its gate
+/// in this proxy holds the session's reservation, else what the home's prefix probe finds (0
+/// when it cannot tell, or the home is not healthy: placement moves it or counts it cold).
+async fn home_hit(
+    proxy: &Proxy,
+    session: &str,
+    prompt_ids: &[u32],
+    view: &placement::SessionView,
+) -> u64 {
+    let Some(home) = proxy.replicas.session_replica(session) else {
+        return 0;
     };
-    let proxy = &proxy;
-    each_replica(proxy, kind, next, move |replica, route| async move {
-        gated(proxy, &replica, turn, route).await
-    })
-    .await
+    let replica = proxy.replicas.get(home);
+    if replica.grade() != Grade::Healthy {
+        return 0;
+    }
+    if replica.gate.inspect(|core| core.has_reservation(session)) {
+        return view.prompt_blocks;
+    }
+    let timeout = Duration::from_secs_f64(proxy.config.gate.probe_timeout_sec);
+    match tokio::time::timeout(timeout, replica.probe.prefix(session, prompt_ids)).await {
+        Ok(Ok(report)) => report.hit_blocks,
+        _ => 0,
+    }
+}
+
+/// Counts a turn that reached nothing on `replica` (it could not be reached).
+fn rerouted(proxy: &Proxy, replica: &Replica, kind: Kind) {
+    proxy.metrics.request(
+        &replica.url.base,
+        kind.route(),
+        502,
+        Outcome::Rerouted,
+        0,
+        0.0,
+    );
 }
 
 /// Tries the request on one replica after another, as `next` routes it (at most once per
@@ -342,11 +495,11 @@ async fn each_replica<F: Future<Output = Attempt>>(
     mut attempt: impl FnMut(Arc<Replica>, Route) -> F,
 ) -> Response {
     let mut last_failure = String::new();
-    for _ in 0..proxy.replicas.list.len() {
+    for _ in 0..proxy.replicas.snapshot().len() {
         let Some(route) = next() else {
             return no_replica(proxy, kind);
         };
-        let replica = proxy.replicas.list[route.index].clone();
+        let replica = proxy.replicas.get(route.index);
         match attempt(replica.clone(), route).await {
             Attempt::Done(response) => return response,
             Attempt::NotSent(why) => {
@@ -365,7 +518,7 @@ fn leave_replica(proxy: &Arc<Proxy>, index: usize, session: &str) {
     let proxy = proxy.clone();
     let session = session.to_string();
     tokio::spawn(async move {
-        let replica = &proxy.replicas.list[index];
+        let replica = &proxy.replicas.get(index);
         // Whether it had a window does not matter, nor does an engine that cannot be asked:
         // a dead engine frees this proxy's leases one TTL after its last call.
         let _ = proxy.replica_gate.finish_session(replica, &session).await;
@@ -386,40 +539,26 @@ struct Turn<'a> {
     started: Instant,
 }
 
-/// One attempt of a gated request on one replica: tokenize there, acquire its gate, forward.
-async fn gated(proxy: &Arc<Proxy>, replica: &Arc<Replica>, t: Turn<'_>, route: Route) -> Attempt {
-    // Nothing of the turn reached this replica's vLLM (tokenize or admit could not be done
-    // there): counted as rerouted, and the caller tries another replica.
+/// One attempt of a gated turn on the replica placement chose: acquire its gate, forward.
+async fn gated(
+    proxy: &Arc<Proxy>,
+    replica: &Arc<Replica>,
+    t: Turn<'_>,
+    prompt_ids: &[u32],
+    route: Route,
+    waiting: Awaiting,
+) -> Attempt {
+    // Nothing of the turn reached this replica's vLLM (admit could not be done there): counted
+    // as rerouted, and the caller places it again.
     let rerouted = |why: String| {
-        proxy.metrics.request(
-            &replica.url.base,
-            t.kind.route(),
-            502,
-            Outcome::Rerouted,
-            0,
-            0.0,
-        );
+        rerouted(proxy, replica, t.kind);
         Attempt::NotSent(why)
-    };
-    let prompt_ids = match prompt_ids(proxy, replica, t.kind, t.request).await {
-        Ok(ids) => ids,
-        Err(Attempt::Done(response)) => {
-            proxy.metrics.request(
-                &replica.url.base,
-                t.kind.route(),
-                response.status().as_u16(),
-                Outcome::Rejected,
-                0,
-                0.0,
-            );
-            return Attempt::Done(response);
-        }
-        Err(Attempt::NotSent(why)) => return rerouted(why),
     };
     let admitted = proxy
         .replica_gate
-        .admit(replica, t.session, &prompt_ids, t.max_tokens)
+        .admit(replica, t.session, prompt_ids, t.max_tokens)
         .await;
+    drop(waiting);
     let lease = match admitted {
         Ok(lease) => lease,
         Err(AdmitError::NotSent(why)) => return rerouted(why),
@@ -690,6 +829,14 @@ async fn forward(
             guard.finish(Outcome::Rerouted);
             return Attempt::NotSent(format!("{uri}: {e}"));
         }
+        // The exchange broke before any answer came back, and the replica now refuses
+        // connections: it is gone, and whatever of the request it got died with it (nothing
+        // was answered, and a client that vanished has its request aborted by vLLM). The turn
+        // is placed again rather than lost with its replica.
+        Ok(Err(e)) if gone(proxy, replica).await => {
+            guard.finish(Outcome::Rerouted);
+            return Attempt::NotSent(format!("{uri}: {e} (the replica is gone)"));
+        }
         Ok(Err(e)) => {
             guard.finish(Outcome::UpstreamFailed);
             return Attempt::Done(error(
@@ -707,10 +854,39 @@ async fn forward(
             return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
         }
     };
-    let (parts, incoming) = upstream.into_parts();
+    let (parts, mut incoming) = upstream.into_parts();
     guard.status = parts.status.as_u16();
+    // The answer is passed on from its first body frame, not its headers: a turn whose replica
+    // dies between the two (vLLM sends a stream's headers before its first token) has given
+    // the client nothing, and is placed again like one never sent. A replica still alive that
+    // failed there answers 502, as any failure after sending.
+    let first = match tokio::time::timeout(timeout, incoming.frame()).await {
+        Ok(Some(Ok(frame))) => Some(frame),
+        Ok(None) => None,
+        Ok(Some(Err(e))) if gone(proxy, replica).await => {
+            guard.finish(Outcome::Rerouted);
+            return Attempt::NotSent(format!("{uri}: {e} (the replica is gone)"));
+        }
+        Ok(Some(Err(e))) => {
+            guard.finish(Outcome::UpstreamFailed);
+            return Attempt::Done(error(
+                StatusCode::BAD_GATEWAY,
+                "BadGatewayError",
+                format!(
+                    "replica {} failed before its answer began (not retried): {e}",
+                    replica.url.base
+                ),
+            ));
+        }
+        Err(_) => {
+            guard.status = 504;
+            guard.finish(Outcome::UpstreamFailed);
+            return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
+        }
+    };
     let idle_timeout = Duration::from_secs_f64(proxy.config.idle_timeout_sec);
     let mut response = Response::new(Body::new(Tracked {
+        first,
         inner: incoming,
         guard,
         idle: Box::pin(tokio::time::sleep(idle_timeout)),
@@ -723,6 +899,13 @@ async fn forward(
         }
     }
     Attempt::Done(response)
+}
+
+/// Whether `replica` refuses a new connection now (asked on a connection of its own: a pooled
+/// one the dead replica's end closed would only fail again, and say nothing).
+async fn gone(proxy: &Proxy, replica: &Replica) -> bool {
+    let fresh = upstream::client(Duration::from_secs_f64(proxy.config.connect_timeout_sec));
+    replicas::check(&fresh, replica).await == Health::Unreachable
 }
 
 /// Releases the lease and records the request, exactly once, however the answer ends.
@@ -744,6 +927,8 @@ impl Guard {
         }
         if let Some(lease) = self.lease.take() {
             lease.release();
+            // Room freed: a turn held by placement may go now.
+            self.proxy.replicas.notify_changed();
         }
         self.proxy.metrics.request(
             &self.replica.url.base,
@@ -760,6 +945,8 @@ impl Guard {
 /// lease until the answer is complete or abandoned. A body silent for longer than the idle
 /// timeout is cut off (the client sees the answer end early; it is not retried).
 struct Tracked {
+    /// The body's first frame, read before the answer was passed on ([`forward`]).
+    first: Option<Frame<Bytes>>,
     inner: Incoming,
     guard: Guard,
     idle: Pin<Box<tokio::time::Sleep>>,
@@ -775,6 +962,12 @@ impl HttpBody for Tracked {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::BoxError>>> {
         let this = &mut *self;
+        if let Some(frame) = this.first.take() {
+            if this.inner.is_end_stream() {
+                this.guard.finish(Outcome::Completed);
+            }
+            return Poll::Ready(Some(Ok(frame)));
+        }
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         match &polled {
             Poll::Ready(None) => this.guard.finish(Outcome::Completed),
@@ -804,21 +997,130 @@ impl HttpBody for Tracked {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.first.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
-        self.inner.size_hint()
+        let mut hint = self.inner.size_hint();
+        let first = self
+            .first
+            .as_ref()
+            .and_then(Frame::data_ref)
+            .map_or(0, |d| d.len() as u64);
+        if first > 0 {
+            // Upper first: a lower bound above the upper one panics.
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper + first);
+            }
+            hint.set_lower(hint.lower() + first);
+        }
+        hint
     }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        let outcome = if self.inner.is_end_stream() {
+        let outcome = if self.is_end_stream() {
             Outcome::Completed
         } else {
             Outcome::ClientDisconnected
         };
         self.guard.finish(outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::config::{ProxyArgs, ProxyConfig};
+
+    /// A proxy over two replicas nobody listens on (nothing here connects to them).
+    fn proxy(wait_poll_sec: f64, max_wait_sec: Option<f64>) -> Arc<Proxy> {
+        let args = ProxyArgs {
+            replicas: vec!["http://127.0.0.1:9".into(), "http://127.0.0.1:10".into()],
+            wait_poll_sec: Some(wait_poll_sec),
+            max_wait_sec,
+            ..Default::default()
+        };
+        Proxy::new(ProxyConfig::from_toml(&args, "").unwrap()).unwrap()
+    }
+
+    /// Fills every replica's backlog: two new sessions waiting for admission on each.
+    fn backlog(proxy: &Proxy) -> Vec<Awaiting> {
+        let turn = placing::session_view(64, 16, 16);
+        (0..4)
+            .map(
+                |k| match proxy.replicas.place(&format!("w{k}"), &turn, 0, false) {
+                    Placing::Route(route) => {
+                        proxy.replicas.get(route.index).awaiting_admission(true)
+                    }
+                    other => panic!("w{k}: {other:?}"),
+                },
+            )
+            .collect()
+    }
+
+    async fn placed(proxy: &Arc<Proxy>, session: &str) -> Option<Route> {
+        let (method, headers, body, request) = (
+            Method::POST,
+            HeaderMap::new(),
+            Bytes::new(),
+            json!({ "prompt": "x" }),
+        );
+        let t = Turn {
+            session,
+            kind: Kind::Completions,
+            path: "/v1/completions",
+            method: &method,
+            headers: &headers,
+            body: &body,
+            request: &request,
+            max_tokens: Some(16),
+            started: Instant::now(),
+        };
+        place_turn(proxy, t, &[7; 64]).await
+    }
+
+    #[tokio::test]
+    async fn a_held_new_session_goes_as_soon_as_a_first_turn_is_admitted() {
+        // A poll far longer than the test: only the wake can place it in time.
+        let proxy = proxy(60.0, None);
+        let mut waiting = backlog(&proxy);
+        let held = tokio::spawn({
+            let proxy = proxy.clone();
+            async move { placed(&proxy, "late").await }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !held.is_finished(),
+            "placed while every replica had its backlog"
+        );
+        // The last one's first turn is admitted: the held session goes where it waited.
+        let freed_index = proxy.replicas.session_replica("w3").unwrap();
+        drop(waiting.pop());
+        let route = tokio::time::timeout(Duration::from_secs(5), held)
+            .await
+            .expect("woken by the admission")
+            .unwrap()
+            .expect("a replica");
+        assert_eq!(route.index, freed_index);
+        assert_eq!(route.reason, Some(PlaceReason::New));
+        let (stats, timeouts) = proxy.replicas.placement_stats();
+        assert!(stats.held >= 1, "{stats:?}");
+        assert_eq!((stats.new, timeouts), (5, 0));
+    }
+
+    #[tokio::test]
+    async fn a_held_new_session_is_placed_past_the_backlogs_after_max_wait() {
+        let proxy = proxy(60.0, Some(0.3));
+        let _waiting = backlog(&proxy);
+        let started = Instant::now();
+        let route = tokio::time::timeout(Duration::from_secs(5), placed(&proxy, "late"))
+            .await
+            .expect("placed after max_wait_sec")
+            .expect("a replica");
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert_eq!(route.reason, Some(PlaceReason::New));
+        assert_eq!(proxy.replicas.placement_stats().1, 1);
     }
 }

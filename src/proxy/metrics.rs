@@ -163,10 +163,9 @@ impl ProxyMetrics {
 
     /// The whole exposition: gate metrics per replica, then the proxy's.
     pub fn render(&self, replicas: &Replicas) -> String {
+        let list = replicas.snapshot();
         let mut out = merge_gate_metrics(
-            replicas
-                .list
-                .iter()
+            list.iter()
                 .map(|r| (r.url.base.as_str(), r.gate.prometheus())),
         );
         let _ = writeln!(
@@ -174,7 +173,7 @@ impl ProxyMetrics {
             "# HELP session_gate_proxy_replica_healthy Whether the replica passed its last health check."
         );
         let _ = writeln!(out, "# TYPE session_gate_proxy_replica_healthy gauge");
-        for r in &replicas.list {
+        for r in &list {
             let _ = writeln!(
                 out,
                 "session_gate_proxy_replica_healthy{{replica=\"{}\"}} {}",
@@ -182,9 +181,54 @@ impl ProxyMetrics {
                 u8::from(r.is_healthy())
             );
         }
+        let name = "session_gate_proxy_replica_listed";
         let _ = writeln!(
             out,
-            "# HELP session_gate_proxy_sessions Sessions pinned to a replica (sticky routing)."
+            "# HELP {name} Whether the replica is listed (flags or the replicas file); an unlisted one takes no new turns."
+        );
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for r in &list {
+            let _ = writeln!(
+                out,
+                "{name}{{replica=\"{}\"}} {}",
+                escape(&r.url.base),
+                u8::from(r.is_listed())
+            );
+        }
+        let name = "session_gate_proxy_replica_list_changes_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Changes of the replica list read from the replicas file while running."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let _ = writeln!(out, "{name} {}", replicas.list_changes());
+        let (placements, hold_timeouts) = replicas.placement_stats();
+        let name = "session_gate_proxy_placements_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Placement decisions by reason: new, held (a new session no replica would take yet; each ask counts), resident, cold_stay, cold_move, slow_move, down_move."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for (reason, n) in placements.by_reason() {
+            let _ = writeln!(out, "{name}{{reason=\"{reason}\"}} {n}");
+        }
+        let name = "session_gate_proxy_placement_moves_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Sessions moved to another replica (cold_move + slow_move + down_move)."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let _ = writeln!(out, "{name} {}", placements.moves());
+        let name = "session_gate_proxy_placement_hold_timeouts_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} New sessions held max_wait_sec and then placed past the replicas' backlogs."
+        );
+        let _ = writeln!(out, "# TYPE {name} counter");
+        let _ = writeln!(out, "{name} {hold_timeouts}");
+        let _ = writeln!(
+            out,
+            "# HELP session_gate_proxy_sessions Sessions placed on a replica."
         );
         let _ = writeln!(out, "# TYPE session_gate_proxy_sessions gauge");
         let _ = writeln!(

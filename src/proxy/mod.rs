@@ -6,8 +6,11 @@
 //!   `POST /finish_session?session_id=`, which prime-rl and SkyRL send), `GET /metrics`,
 //!   `GET /health`. The session id comes from the path or the session header (default
 //!   `x-session-id`); requests without one pass through ungated.
-//! - Sticky routing per session ([`replicas`]); a replica failing health checks is skipped and
-//!   its sessions re-routed.
+//! - Placement per turn ([`replicas`], [`placing`]): the sans-IO policy of
+//!   [`crate::gate::placement`], the one the twin's fleet drives, over what the proxy knows of
+//!   each replica; a new session may be held until a replica would take it (late binding). A
+//!   replica failing health checks takes nothing new and its sessions move.
+//! - Replicas from flags, and from a file re-read while running ([`replicas_file`]).
 //! - Each gated request acquires its replica's gate before it is forwarded and releases when
 //!   the answer has been passed on, failed, or the client went away ([`forward`]). A retry
 //!   while the older attempt still waits preempts it: the older one gets HTTP 409.
@@ -22,8 +25,10 @@ pub mod engine_gate_client;
 pub mod forward;
 pub mod http_probe;
 pub mod metrics;
+pub mod placing;
 pub mod replica_gate;
 pub mod replicas;
+pub mod replicas_file;
 pub mod upstream;
 pub mod usage_cache;
 
@@ -110,24 +115,33 @@ pub async fn serve(
     let listener = listener.tap_io(|stream| {
         let _ = stream.set_nodelay(true);
     });
+    let list = proxy.replicas.snapshot();
     eprintln!(
-        "session-gate proxy: listening on http://{} for {} replica(s): {}",
+        "session-gate proxy: listening on http://{} for {} replica(s): {}{}",
         local,
-        proxy.replicas.list.len(),
-        proxy
-            .replicas
-            .list
-            .iter()
+        list.len(),
+        list.iter()
             .map(|r| r.url.base.as_str())
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        match &proxy.config.replicas_file {
+            Some((path, _)) => format!(" (re-reading {})", path.display()),
+            None => String::new(),
+        }
     );
     let health = proxy.spawn_health_checks();
+    let watch =
+        proxy.config.replicas_file.clone().map(|(path, text)| {
+            tokio::spawn(replicas_file::watch(proxy.replicas.clone(), path, text))
+        });
     let heartbeat = proxy.replica_gate.spawn_heartbeat(&proxy.replicas);
     let result = axum::serve(listener, proxy.router())
         .with_graceful_shutdown(shutdown)
         .await;
     health.abort();
+    if let Some(w) = watch {
+        w.abort();
+    }
     if let Some(h) = heartbeat {
         h.abort();
     }

@@ -1,33 +1,43 @@
-//! Replicas, their health, and sticky session routing.
+//! Replicas, their health, and where each session's turns go.
 //!
-//! Each replica owns one [`Gate`] over its own [`HttpProbe`]. A session sticks to the replica
-//! it first went to (its prefix is cached there) until that replica fails health checks; a new
-//! (or re-routed) session goes to the healthy replica with the most headroom: the lowest of
-//! max(last vLLM usage, committed blocks ÷ total blocks), fewest active leases on ties.
+//! Each replica owns one [`Gate`] over its own [`HttpProbe`]. Where a turn goes is decided by
+//! the sans-IO placement policy ([`crate::gate::placement`], the code the twin's fleet drives),
+//! over the views [`placing`](super::placing) builds from what the proxy knows: health, usage
+//! answers, its gates' commitments, sessions and turns waiting per replica. A new session goes
+//! where it would be admitted soonest, or is held (late binding) while every replica has its
+//! backlog of new sessions; a returning session stays home while its prefix is resident there,
+//! and moves when it is cold and another replica would admit it sooner, or when its home is
+//! slow, down, or no longer listed.
 //!
 //! Unhealthy has two grades. A replica that could not be connected to (by a request or a health
-//! check) is *unreachable*: never routed to until a health check passes. One that only missed a
-//! health check (a busy CPU engine can take longer than the check's two seconds to answer
-//! `/health`) is still used when no replica is healthy: refusing every request with 503 because
-//! the one replica was slow to say it is alive would stop serving for nothing.
+//! check) is *unreachable*: down until a health check passes. One that only missed a health
+//! check (a busy CPU engine can take longer than the check's two seconds to answer `/health`)
+//! is *slow*: it takes nothing while a healthy replica exists, and still serves when none does:
+//! refusing every request with 503 because the one replica was slow to say it is alive would
+//! stop serving for nothing.
+//!
+//! The list only grows: a replica the replicas file no longer lists stays in it, unlisted (its
+//! streams in flight finish, its sessions move at their next turn, and it takes nothing new),
+//! so that indices held by sessions stay valid; listed again, it takes sessions again.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Method, Request};
+use tokio::sync::Notify;
 
 use super::config::{ProxyConfig, ReplicaUrl};
 use super::http_probe::HttpProbe;
+use super::placing::{self, Grade, ReplicaFacts};
 use super::upstream::Client;
 use super::usage_cache::CachedProbe;
-use crate::gate::Gate;
-
-/// Which replicas may take a request, best first: the healthy ones, else the reachable ones
-/// (module docs).
-const USABLE: [fn(&Replica) -> bool; 2] = [Replica::is_healthy, Replica::is_reachable];
+use crate::gate::placement::{
+    PlaceReason, Placement, PlacementConfig, PlacementStats, ReplicaView, SessionView,
+};
+use crate::gate::{Gate, Probe};
 
 /// One `vllm serve` replica.
 #[derive(Debug)]
@@ -42,6 +52,14 @@ pub struct Replica {
     healthy: AtomicBool,
     /// False from a failed connection until the next passing health check.
     reachable: AtomicBool,
+    /// Listed by the configuration (false once the replicas file dropped it).
+    listed: AtomicBool,
+    /// Turns placed here whose admission is pending.
+    queued: AtomicU32,
+    /// New sessions placed here whose first turn is not admitted yet.
+    new_waiting: AtomicU32,
+    /// Told of every change placement may be waiting for (shared by all replicas).
+    changed: Arc<Notify>,
 }
 
 impl Replica {
@@ -50,17 +68,34 @@ impl Replica {
         self.healthy.load(Ordering::Relaxed)
     }
 
+    /// Whether the configuration lists it (false: it takes no new turns).
+    pub fn is_listed(&self) -> bool {
+        self.listed.load(Ordering::Relaxed)
+    }
+
     /// Marks the replica unhealthy and unreachable at once (a connection to it just failed);
     /// the next health check that passes marks it healthy again.
     pub fn mark_unhealthy(&self, why: &str) {
         self.reachable.store(false, Ordering::Relaxed);
         self.set_healthy(false, why);
+        self.changed.notify_waiters();
     }
 
     /// Whether it may take requests when no replica is healthy: it failed no connection since
     /// its last passing health check (see the module docs).
     fn is_reachable(&self) -> bool {
         self.reachable.load(Ordering::Relaxed)
+    }
+
+    /// Its grade for placement (see [`placing`]).
+    pub fn grade(&self) -> Grade {
+        if !self.is_listed() || !self.is_reachable() {
+            Grade::Down
+        } else if self.is_healthy() {
+            Grade::Healthy
+        } else {
+            Grade::Slow
+        }
     }
 
     /// Records a health check's outcome.
@@ -86,15 +121,54 @@ impl Replica {
         }
     }
 
-    /// Committed pressure: what a new session's placement compares.
-    pub fn pressure(&self) -> f64 {
-        let stats = self.gate.stats();
-        match self.probe.last_usage() {
-            Some(u) if u.num_blocks > 0 => u
-                .kv_cache_usage
-                .max(stats.committed_blocks as f64 / u.num_blocks as f64),
-            _ => stats.committed_blocks as f64,
+    /// What placement knows about it, `sessions` being placed there.
+    fn facts(&self, sessions: u32, ignore_backlog: bool) -> ReplicaFacts {
+        let config = self.gate.inspect(|core| core.config().high_watermark);
+        ReplicaFacts {
+            grade: self.grade(),
+            usage: self.probe.last_usage(),
+            committed_blocks: self.gate.stats().committed_blocks,
+            high_watermark: config,
+            sessions,
+            queued: self.queued.load(Ordering::Relaxed),
+            new_waiting: if ignore_backlog {
+                0
+            } else {
+                self.new_waiting.load(Ordering::Relaxed)
+            },
         }
+    }
+
+    /// Counts a turn waiting for admission here until the returned guard is dropped (`new`:
+    /// the first turn of a session placed here).
+    pub fn awaiting_admission(self: &Arc<Self>, new: bool) -> Awaiting {
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        Awaiting {
+            replica: self.clone(),
+            new,
+        }
+    }
+}
+
+/// A turn waiting for admission on a replica (see [`Replica::awaiting_admission`]).
+#[derive(Debug)]
+pub struct Awaiting {
+    replica: Arc<Replica>,
+    new: bool,
+}
+
+impl Drop for Awaiting {
+    fn drop(&mut self) {
+        let r = &self.replica;
+        let _ = r
+            .queued
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        if self.new {
+            let _ = r
+                .new_waiting
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
+        r.changed.notify_waiters();
     }
 }
 
@@ -105,156 +179,368 @@ struct Sticky {
     last_seen: Instant,
 }
 
-/// The replicas and the session → replica map.
+/// Sessions and the policy, changed together under one lock (a burst of new sessions is
+/// placed one after another, each seeing the ones before it).
+#[derive(Debug)]
+struct Placer {
+    sessions: HashMap<String, Sticky>,
+    /// Sessions per replica index.
+    pinned: Vec<u32>,
+    placement: Placement,
+    /// New sessions placed past the backlogs because they were held for `max_wait_sec`.
+    hold_timeouts: u64,
+}
+
+impl Placer {
+    fn unpin(&mut self, replica: usize) {
+        if let Some(n) = self.pinned.get_mut(replica) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// The replicas and where sessions are.
 #[derive(Debug)]
 pub struct Replicas {
-    /// In configuration order.
-    pub list: Vec<Arc<Replica>>,
-    sessions: Mutex<HashMap<String, Sticky>>,
-    next_ungated: std::sync::atomic::AtomicUsize,
+    /// In the order they were first listed; never shrinks (module docs).
+    list: RwLock<Vec<Arc<Replica>>>,
+    placer: Mutex<Placer>,
+    next_ungated: AtomicUsize,
+    changed: Arc<Notify>,
+    /// The replicas always listed (flags, TOML `replicas`).
+    static_urls: Vec<ReplicaUrl>,
+    /// What a replica added later is built with.
+    config: ProxyConfig,
+    client: Client,
+    /// Times the replica list was changed while running.
+    list_changes: AtomicU64,
 }
 
 /// Where a request goes.
 #[derive(Debug, Clone)]
 pub struct Route {
-    /// Index into [`Replicas::list`].
+    /// Index into the replica list ([`Replicas::get`]).
     pub index: usize,
     /// 1-based turn index of this request within its session (0 when ungated).
     pub turn: u64,
-    /// The replica the session was pinned to before this request re-pinned it (that replica
-    /// is unhealthy), if it moved.
+    /// The replica the session was placed on before this request moved it, if it moved.
     pub moved_from: Option<usize>,
+    /// Why it goes there (`None` when ungated).
+    pub reason: Option<PlaceReason>,
+}
+
+/// What placement answered for a turn.
+#[derive(Debug, Clone)]
+pub enum Placing {
+    /// Go there.
+    Route(Route),
+    /// A new session no replica would take now: hold it and ask again when something changes.
+    Hold,
+    /// No replica is up.
+    NoReplica,
 }
 
 impl Replicas {
     /// One replica (gate and probe) per configured URL.
     pub fn new(config: &ProxyConfig, client: &Client) -> crate::Result<Self> {
+        let changed = Arc::new(Notify::new());
         let mut list = Vec::with_capacity(config.replicas.len());
         for url in &config.replicas {
-            let http = Arc::new(HttpProbe::new(
-                client.clone(),
-                &url.base,
-                &url.authority,
-                config.replica_authorization.as_deref(),
-            ));
-            let probe = Arc::new(CachedProbe::new(
-                http,
-                Duration::from_millis(config.usage_cache_ms),
-                config.gate.high_watermark,
-            ));
-            let gate = Gate::new(probe.clone(), config.gate.clone())?;
-            list.push(Arc::new(Replica {
-                url: url.clone(),
-                gate,
-                probe,
-                healthy: AtomicBool::new(true),
-                reachable: AtomicBool::new(true),
-            }));
+            list.push(Arc::new(build(config, client, url, &changed)?));
         }
+        let n = list.len();
         Ok(Self {
-            list,
-            sessions: Mutex::new(HashMap::new()),
+            list: RwLock::new(list),
+            placer: Mutex::new(Placer {
+                sessions: HashMap::new(),
+                pinned: vec![0; n],
+                placement: Placement::new(PlacementConfig::default()),
+                hold_timeouts: 0,
+            }),
             next_ungated: Default::default(),
+            changed,
+            static_urls: config.static_replicas.clone(),
+            config: config.clone(),
+            client: client.clone(),
+            list_changes: AtomicU64::new(0),
         })
     }
 
-    /// Of the replicas `usable` accepts, the one with the least pressure; on a tie, the one
-    /// with the fewest sessions pinned to it. Pins, not leases: a burst of new sessions is
-    /// placed before any of them is admitted (pressure and leases are still equal), and must
-    /// not all land on the first one.
-    fn best(
-        &self,
-        sessions: &HashMap<String, Sticky>,
-        usable: fn(&Replica) -> bool,
-    ) -> Option<usize> {
-        let mut pinned = vec![0usize; self.list.len()];
-        for s in sessions.values() {
-            pinned[s.replica] += 1;
-        }
-        let mut best: Option<(usize, f64, usize)> = None;
-        for (i, r) in self.list.iter().enumerate() {
-            if !usable(r) {
-                continue;
-            }
-            let p = r.pressure();
-            if best.is_none_or(|(_, bp, bn)| p < bp || (p == bp && pinned[i] < bn)) {
-                best = Some((i, p, pinned[i]));
-            }
-        }
-        best.map(|(i, ..)| i)
+    fn placer(&self) -> MutexGuard<'_, Placer> {
+        self.placer.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The replica for this session's next turn (sticky), or `None` when none is healthy or
-    /// reachable (a pinned replica that only missed a health check keeps its session while no
-    /// other is healthy: its prefix is cached there).
-    pub fn route_session(&self, session_id: &str) -> Option<Route> {
-        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+    /// Every replica ever listed, in order (unlisted ones included: [`Replica::is_listed`]).
+    pub fn snapshot(&self) -> Vec<Arc<Replica>> {
+        self.list.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The replica at `index` (indices never change).
+    pub fn get(&self, index: usize) -> Arc<Replica> {
+        self.list.read().unwrap_or_else(|e| e.into_inner())[index].clone()
+    }
+
+    /// The listed replicas.
+    pub fn listed(&self) -> Vec<Arc<Replica>> {
+        let mut list = self.snapshot();
+        list.retain(|r| r.is_listed());
+        list
+    }
+
+    /// Resolves when something placement may be waiting for changed (a turn admitted or
+    /// finished, a replica's health or the list). Create it before looking, then await it.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+
+    /// Wakes every turn held by placement to look again.
+    pub fn notify_changed(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// Makes the listed replicas `static ∪ urls`: new URLs are added (they take new sessions),
+    /// listed ones no longer in it are unlisted (module docs). Returns how many were added and
+    /// how many unlisted.
+    pub fn set_listed(&self, urls: &[ReplicaUrl]) -> (usize, usize) {
+        let wanted = |base: &str| {
+            self.static_urls.iter().any(|u| u.base == base) || urls.iter().any(|u| u.base == base)
+        };
+        let (mut added, mut unlisted) = (0, 0);
+        {
+            let mut list = self.list.write().unwrap_or_else(|e| e.into_inner());
+            for r in list.iter() {
+                let want = wanted(&r.url.base);
+                if r.listed.swap(want, Ordering::Relaxed) != want {
+                    let what = if want {
+                        "listed again"
+                    } else {
+                        "no longer listed"
+                    };
+                    eprintln!("session-gate proxy: replica {} is {what}", r.url.base);
+                    if want {
+                        added += 1;
+                    } else {
+                        unlisted += 1;
+                    }
+                }
+            }
+            for url in urls {
+                if list.iter().any(|r| r.url.base == url.base) {
+                    continue;
+                }
+                match build(&self.config, &self.client, url, &self.changed) {
+                    Ok(r) => {
+                        eprintln!("session-gate proxy: replica {} added", url.base);
+                        list.push(Arc::new(r));
+                        added += 1;
+                    }
+                    Err(e) => eprintln!(
+                        "session-gate proxy: replica {} could not be added: {e}",
+                        url.base
+                    ),
+                }
+            }
+            let n = list.len();
+            self.placer().pinned.resize(n, 0);
+        }
+        if added + unlisted > 0 {
+            self.list_changes.fetch_add(1, Ordering::Relaxed);
+            self.notify_changed();
+        }
+        (added, unlisted)
+    }
+
+    /// Times the list changed while running.
+    pub fn list_changes(&self) -> u64 {
+        self.list_changes.load(Ordering::Relaxed)
+    }
+
+    /// The placement views of `list`, `pinned` sessions on each.
+    fn views(list: &[Arc<Replica>], pinned: &[u32], ignore_backlog: bool) -> Vec<ReplicaView> {
+        list.iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let sessions = pinned.get(i).copied().unwrap_or(0);
+                placing::replica_view(&r.facts(sessions, ignore_backlog))
+            })
+            .collect()
+    }
+
+    /// Block size of the replicas (the first one that told its own), vLLM's default before any
+    /// did.
+    pub fn block_size(&self) -> u64 {
+        self.snapshot()
+            .iter()
+            .find_map(|r| r.probe.last_usage().map(|u| u.block_size))
+            .filter(|&b| b > 0)
+            .unwrap_or(placing::DEFAULT_BLOCK_SIZE)
+    }
+
+    /// Places this turn of `session` (`turn`: its blocks; `home_hit`: its prompt blocks resident
+    /// on its home, when it has one). `ignore_backlog`: a new session held long enough goes
+    /// where it would go if no replica had new sessions waiting.
+    pub fn place(
+        &self,
+        session_id: &str,
+        turn: &SessionView,
+        home_hit: u64,
+        ignore_backlog: bool,
+    ) -> Placing {
+        let list = self.snapshot();
+        let mut placer = self.placer();
+        placer.pinned.resize(list.len(), 0);
+        let views = Self::views(&list, &placer.pinned, ignore_backlog);
+        let home = placer.sessions.get(session_id).map(|s| s.replica);
+        let placed = match home {
+            None => placer.placement.place_new(&views, turn, |_| 0),
+            Some(h) => placer.placement.place_returning(&views, turn, h, home_hit),
+        };
+        let Some(placed) = placed else {
+            return if home.is_none() && views.iter().any(|v| v.up) {
+                Placing::Hold
+            } else {
+                Placing::NoReplica
+            };
+        };
+        if ignore_backlog && placed.reason == PlaceReason::New {
+            placer.hold_timeouts += 1;
+        }
         let now = Instant::now();
-        let pinned = sessions.get(session_id).map(|s| s.replica);
-        let home = USABLE.into_iter().find_map(|usable| match pinned {
-            Some(r) if usable(&self.list[r]) => Some(r),
-            _ => self.best(&sessions, usable),
-        })?;
-        let sticky = sessions.entry(session_id.to_string()).or_insert(Sticky {
-            replica: home,
-            turns: 0,
-            last_seen: now,
-        });
-        sticky.replica = home;
+        let to = placed.replica;
+        if home != Some(to) {
+            if let Some(h) = home {
+                placer.unpin(h);
+            }
+            placer.pinned[to] += 1;
+        }
+        let sticky = placer
+            .sessions
+            .entry(session_id.to_string())
+            .or_insert(Sticky {
+                replica: to,
+                turns: 0,
+                last_seen: now,
+            });
+        sticky.replica = to;
         sticky.turns += 1;
         sticky.last_seen = now;
-        Some(Route {
-            index: home,
-            turn: sticky.turns,
-            moved_from: pinned.filter(|&r| r != home),
+        let turn_index = sticky.turns;
+        if placed.reason == PlaceReason::New {
+            list[to].new_waiting.fetch_add(1, Ordering::Relaxed);
+        }
+        Placing::Route(Route {
+            index: to,
+            turn: turn_index,
+            moved_from: home.filter(|&h| h != to),
+            reason: Some(placed.reason),
         })
     }
 
-    /// The replica a session is pinned to, if any.
+    /// Placements and moves by reason so far, and how many held sessions were placed past the
+    /// backlogs after `max_wait_sec`.
+    pub fn placement_stats(&self) -> (PlacementStats, u64) {
+        let placer = self.placer();
+        (placer.placement.stats(), placer.hold_timeouts)
+    }
+
+    /// The replica a session is placed on, if any.
     pub fn session_replica(&self, session_id: &str) -> Option<usize> {
-        let sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        sessions.get(session_id).map(|s| s.replica)
+        self.placer().sessions.get(session_id).map(|s| s.replica)
     }
 
-    /// Forgets the session's pin (after `/sess/{id}/finish`).
+    /// The replica to tokenize a turn of `session_id` on: its home while that is up, else the
+    /// one an ungated request would go to (every replica serves the same model).
+    pub fn tokenizer(&self, session_id: &str) -> Option<usize> {
+        let home = self.session_replica(session_id);
+        match home {
+            Some(h) if self.get(h).grade() != Grade::Down => Some(h),
+            _ => self.route_ungated().map(|r| r.index),
+        }
+    }
+
+    /// Forgets where the session is (after `/sess/{id}/finish`).
     pub fn forget_session(&self, session_id: &str) -> Option<usize> {
-        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
-        sessions.remove(session_id).map(|s| s.replica)
+        let mut placer = self.placer();
+        let gone = placer.sessions.remove(session_id).map(|s| s.replica);
+        if let Some(r) = gone {
+            placer.unpin(r);
+        }
+        gone
     }
 
-    /// A healthy replica for an ungated request (round robin); with none healthy, a reachable
-    /// one.
+    /// A healthy listed replica for an ungated request (round robin); with none healthy, a
+    /// reachable one.
     pub fn route_ungated(&self) -> Option<Route> {
-        let n = self.list.len();
+        let list = self.snapshot();
+        let n = list.len();
         let start = self.next_ungated.fetch_add(1, Ordering::Relaxed);
-        USABLE
+        [Grade::Healthy, Grade::Slow]
             .into_iter()
-            .find_map(|usable| {
+            .find_map(|grade| {
                 (0..n)
                     .map(|k| (start + k) % n)
-                    .find(|&i| usable(&self.list[i]))
+                    .find(|&i| list[i].grade() == grade)
             })
             .map(|index| Route {
                 index,
                 turn: 0,
                 moved_from: None,
+                reason: None,
             })
     }
 
-    /// Drops pins of sessions idle for longer than `ttl` (bounded memory for abandoned ones).
+    /// Forgets sessions idle for longer than `ttl` (bounded memory for abandoned ones).
     pub fn expire_sessions(&self, ttl: Duration) {
-        let mut sessions = self.sessions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut placer = self.placer();
         let now = Instant::now();
-        sessions.retain(|_, s| now.duration_since(s.last_seen) < ttl);
+        let Placer {
+            sessions, pinned, ..
+        } = &mut *placer;
+        sessions.retain(|_, s| {
+            let keep = now.duration_since(s.last_seen) < ttl;
+            if !keep && let Some(n) = pinned.get_mut(s.replica) {
+                *n = n.saturating_sub(1);
+            }
+            keep
+        });
     }
 
-    /// Number of pinned sessions.
+    /// Number of sessions placed.
     pub fn num_sessions(&self) -> usize {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .len()
+        self.placer().sessions.len()
     }
+}
+
+/// One replica's gate and probe.
+fn build(
+    config: &ProxyConfig,
+    client: &Client,
+    url: &ReplicaUrl,
+    changed: &Arc<Notify>,
+) -> crate::Result<Replica> {
+    let http = Arc::new(HttpProbe::new(
+        client.clone(),
+        &url.base,
+        &url.authority,
+        config.replica_authorization.as_deref(),
+    ));
+    let probe = Arc::new(CachedProbe::new(
+        http,
+        Duration::from_millis(config.usage_cache_ms),
+        config.gate.high_watermark,
+    ));
+    let gate = Gate::new(probe.clone(), config.gate.clone())?;
+    Ok(Replica {
+        url: url.clone(),
+        gate,
+        probe,
+        healthy: AtomicBool::new(true),
+        reachable: AtomicBool::new(true),
+        listed: AtomicBool::new(true),
+        queued: AtomicU32::new(0),
+        new_waiting: AtomicU32::new(0),
+        changed: changed.clone(),
+    })
 }
 
 /// A health check's outcome.
@@ -285,12 +571,19 @@ pub async fn check(client: &Client, replica: &Replica) -> Health {
     }
 }
 
-/// Checks every replica every `interval` and expires long-idle session pins, forever.
+/// Checks every listed replica every `interval`, reads the usage of each healthy one (so that
+/// placement knows the room of a replica no turn went to lately), and expires long-idle
+/// sessions, forever.
 pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Duration) {
     loop {
-        for r in &replicas.list {
-            r.checked(check(&client, r).await);
+        for r in replicas.listed() {
+            r.checked(check(&client, &r).await);
+            if r.is_healthy() {
+                let probe_timeout = Duration::from_secs(2);
+                let _ = tokio::time::timeout(probe_timeout, r.probe.usage()).await;
+            }
         }
+        replicas.notify_changed();
         replicas.expire_sessions(Duration::from_secs(3600));
         tokio::time::sleep(interval).await;
     }
@@ -299,7 +592,7 @@ pub async fn health_loop(replicas: Arc<Replicas>, client: Client, interval: Dura
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::config::{ProxyArgs, ProxyConfig};
+    use crate::proxy::config::{ProxyArgs, ProxyConfig, parse_replica};
 
     fn replicas(n: usize) -> Replicas {
         let args = ProxyArgs {
@@ -313,60 +606,140 @@ mod tests {
         Replicas::new(&config, &client).unwrap()
     }
 
+    fn turn() -> SessionView {
+        placing::session_view(320, 32, 16)
+    }
+
+    /// Places a turn and, as the proxy does once the gate answered, ends its admission wait.
+    fn route(r: &Replicas, session: &str, home_hit: u64) -> Option<Route> {
+        match r.place(session, &turn(), home_hit, false) {
+            Placing::Route(route) => {
+                let replica = r.get(route.index);
+                drop(replica.awaiting_admission(route.reason == Some(PlaceReason::New)));
+                Some(route)
+            }
+            Placing::Hold => panic!("held"),
+            Placing::NoReplica => None,
+        }
+    }
+
     #[tokio::test]
     async fn a_burst_of_new_sessions_is_spread_over_idle_replicas() {
-        // No usage answers and nothing admitted yet: every replica's pressure is equal.
         let r = replicas(3);
         let mut per_replica = [0; 3];
         for k in 0..12 {
-            per_replica[r.route_session(&format!("s{k}")).unwrap().index] += 1;
+            per_replica[route(&r, &format!("s{k}"), 0).unwrap().index] += 1;
         }
         assert_eq!(per_replica, [4, 4, 4]);
-        // A known session stays where it is pinned.
+        // A resident session stays where it is.
         let home = r.session_replica("s5").unwrap();
-        assert_eq!(r.route_session("s5").unwrap().index, home);
-        assert_eq!(r.route_session("s5").unwrap().turn, 3);
+        let again = route(&r, "s5", 20).unwrap();
+        assert_eq!(
+            (again.index, again.reason),
+            (home, Some(PlaceReason::Resident))
+        );
+        assert_eq!(route(&r, "s5", 20).unwrap().turn, 3);
+        let (stats, _) = r.placement_stats();
+        assert_eq!((stats.new, stats.resident), (12, 2));
+    }
+
+    #[tokio::test]
+    async fn new_sessions_are_held_while_every_replica_has_its_backlog() {
+        let r = replicas(2);
+        // Two new sessions per replica waiting for their first admission (the default backlog).
+        let mut waiting = Vec::new();
+        for k in 0..4 {
+            let Placing::Route(route) = r.place(&format!("s{k}"), &turn(), 0, false) else {
+                panic!("s{k} not placed");
+            };
+            waiting.push(r.get(route.index).awaiting_admission(true));
+        }
+        assert!(matches!(r.place("late", &turn(), 0, false), Placing::Hold));
+        assert_eq!(r.placement_stats().0.held, 1);
+        // Held past max_wait: placed anyway, counted.
+        assert!(matches!(
+            r.place("late", &turn(), 0, true),
+            Placing::Route(_)
+        ));
+        assert_eq!(r.placement_stats().1, 1);
+        // One admitted: room in the backlog again.
+        waiting.pop();
+        assert!(matches!(
+            r.place("later", &turn(), 0, false),
+            Placing::Route(_)
+        ));
     }
 
     #[tokio::test]
     async fn a_session_on_an_unhealthy_replica_moves_and_says_from_where() {
         let r = replicas(2);
-        let first = r.route_session("a").unwrap();
+        let first = route(&r, "a", 0).unwrap();
         assert_eq!(first.moved_from, None);
-        r.list[first.index].mark_unhealthy("test");
-        let next = r.route_session("a").unwrap();
+        r.get(first.index).mark_unhealthy("test");
+        let next = route(&r, "a", 20).unwrap();
         assert_eq!(next.moved_from, Some(first.index));
+        assert_eq!(next.reason, Some(PlaceReason::DownMove));
         assert_ne!(next.index, first.index);
         assert_eq!(next.turn, 2);
-        r.list[next.index].mark_unhealthy("test");
-        assert!(r.route_session("a").is_none(), "no reachable replica left");
+        r.get(next.index).mark_unhealthy("test");
+        assert!(route(&r, "a", 20).is_none(), "no reachable replica left");
+        assert!(route(&r, "b", 0).is_none());
         assert!(r.route_ungated().is_none());
     }
 
     #[tokio::test]
     async fn a_replica_that_only_missed_a_health_check_serves_while_none_is_healthy() {
         let r = replicas(2);
-        let home = r.route_session("a").unwrap().index;
+        let home = route(&r, "a", 0).unwrap().index;
         let other = 1 - home;
         // Both miss a health check (busy, not gone): the session stays home, new work still
         // goes somewhere.
-        r.list[home].checked(Health::Failed);
-        r.list[other].checked(Health::Failed);
-        let again = r.route_session("a").unwrap();
+        r.get(home).checked(Health::Failed);
+        r.get(other).checked(Health::Failed);
+        let again = route(&r, "a", 20).unwrap();
         assert_eq!((again.index, again.moved_from), (home, None));
-        assert!(r.route_session("b").is_some());
+        assert!(route(&r, "b", 0).is_some());
         assert!(r.route_ungated().is_some());
-        // A healthy replica is still preferred to a merely reachable one.
-        r.list[other].checked(Health::Ok);
-        let moved = r.route_session("a").unwrap();
+        // A healthy replica is preferred to a slow one: the session moves.
+        r.get(other).checked(Health::Ok);
+        let moved = route(&r, "a", 20).unwrap();
         assert_eq!((moved.index, moved.moved_from), (other, Some(home)));
+        assert_eq!(moved.reason, Some(PlaceReason::SlowMove));
         // A failed connection (or a check that could not connect) rules a replica out.
-        r.list[other].mark_unhealthy("test");
-        r.list[home].checked(Health::Unreachable);
-        assert!(r.route_session("a").is_none());
+        r.get(other).mark_unhealthy("test");
+        r.get(home).checked(Health::Unreachable);
+        assert!(route(&r, "a", 20).is_none());
         assert!(r.route_ungated().is_none());
         // Until a health check passes.
-        r.list[home].checked(Health::Ok);
-        assert_eq!(r.route_session("a").unwrap().index, home);
+        r.get(home).checked(Health::Ok);
+        assert_eq!(route(&r, "a", 20).unwrap().index, home);
+    }
+
+    #[tokio::test]
+    async fn a_replica_added_takes_new_sessions_and_an_unlisted_ones_sessions_move() {
+        let r = replicas(1);
+        let a = route(&r, "a", 0).unwrap();
+        assert_eq!(a.index, 0);
+        let added = parse_replica("test", "http://127.0.0.1:20").unwrap();
+        assert_eq!(r.set_listed(std::slice::from_ref(&added)), (1, 0));
+        assert_eq!(r.snapshot().len(), 2);
+        // The new replica has no session: the next new one goes there.
+        assert_eq!(route(&r, "b", 0).unwrap().index, 1);
+        // The static replica stays listed whatever the file says; the file's replica goes.
+        assert_eq!(r.set_listed(&[]), (0, 1));
+        assert!(!r.get(1).is_listed() && r.get(0).is_listed());
+        assert_eq!(r.listed().len(), 1);
+        let b = route(&r, "b", 20).unwrap();
+        assert_eq!((b.index, b.reason), (0, Some(PlaceReason::DownMove)));
+        assert_eq!(route(&r, "c", 0).unwrap().index, 0);
+        // Listed again: the same slot, sessions come back to it.
+        assert_eq!(r.set_listed(&[added]), (1, 0));
+        assert_eq!(r.snapshot().len(), 2);
+        assert_eq!(route(&r, "d", 0).unwrap().index, 1);
+        assert_eq!(r.list_changes(), 3);
+        // Session counts follow moves and finishes.
+        assert_eq!(r.placer().pinned, vec![3, 1]);
+        r.forget_session("a");
+        assert_eq!(r.placer().pinned, vec![2, 1]);
     }
 }
