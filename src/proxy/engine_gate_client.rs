@@ -289,15 +289,13 @@ const DEFAULT_TTL: Duration = Duration::from_secs(30);
 /// ones in a row expire the client while it was alive), and the next round starts on time
 /// whatever the last one's replicas do.
 pub async fn heartbeat(gate: Arc<EngineGateClient>, replicas: Arc<Replicas>) {
-    // The period in microseconds, shortened by the first answers that tell the engines' TTL.
-    let period_us = Arc::new(AtomicU64::new(FIRST_RENEW.as_micros() as u64));
+    // A third of the shortest TTL the engines told, in microseconds (`u64::MAX` until told).
+    let period_us = Arc::new(AtomicU64::new(u64::MAX));
     loop {
         let started = tokio::time::Instant::now();
-        let every = Duration::from_micros(period_us.load(Ordering::Relaxed));
-        let give_up = if every == FIRST_RENEW {
-            DEFAULT_TTL
-        } else {
-            every * 3
+        let (every, give_up) = match period_us.load(Ordering::Relaxed) {
+            u64::MAX => (FIRST_RENEW, DEFAULT_TTL),
+            us => (Duration::from_micros(us), Duration::from_micros(us) * 3),
         };
         for replica in replicas.snapshot().iter() {
             let target = Target::new(&gate, replica);
