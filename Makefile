@@ -179,8 +179,8 @@ sim: setup
 # The twin as a fleet (SIMULATED): FLEET_REPLICAS replicas of FLEET_PROFILE, rl-rollout scaled to
 # the fleet, each replica behind its own gate; every placement, healthy, with replica 0 at half
 # speed, and with it absent (the straggler's reference). One table per fault, then the targets
-# as JSON (last line). At the default 4 replicas, about 2-3 minutes of CPU; issue 30's 16
-# replicas: `make sim-fleet FLEET_REPLICAS=16` (about 10x that).
+# as JSON (last line). At the default 4 replicas, about 2 minutes of CPU; issue 30's 16
+# replicas: `make sim-fleet FLEET_REPLICAS=16` (about 5x that).
 FLEET_REPLICAS ?= 4
 FLEET_PROFILE ?= h200-qwen2.5-7b
 sim-fleet: setup
