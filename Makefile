@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-stream bench-probe bench-gate bench-proxy \
-	bench-clients bench-engine-gate bench-sched-cost soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica wheel bench-abi3 clean
+	bench-clients bench-engine-gate bench-sched-cost soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica sim-fleet wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
@@ -175,6 +175,18 @@ sim: setup
 	$(PY) -m session_gate.sim --workload rl-rollout rl-async \
 		--profile h200-qwen2.5-7b h200-qwen2.5-32b --modes $(SIM_MODES) \
 		--out docs/sim-results.json --plot docs/sim-results.png
+
+# The twin as a fleet (SIMULATED): FLEET_REPLICAS replicas of FLEET_PROFILE, rl-rollout scaled to
+# the fleet, each replica behind its own gate; every placement, healthy, with replica 0 at half
+# speed, and with it absent (the straggler's reference). One table per fault, then the targets
+# as JSON (last line). At the default 4 replicas, about 2 minutes of CPU; issue 30's 16
+# replicas: `make sim-fleet FLEET_REPLICAS=16` (about 5x that).
+FLEET_REPLICAS ?= 4
+FLEET_PROFILE ?= h200-qwen2.5-7b
+sim-fleet: setup
+	$(PY) -m session_gate.sim --replicas $(FLEET_REPLICAS) --profile $(FLEET_PROFILE) \
+		--fleet-workload rl-rollout --modes gate --fault none straggler absent --jobs 2 \
+		--out sim-fleet.json
 
 # The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
 # Calibrates first when no cpu-tiny fit of this machine exists (the shipped one does not know

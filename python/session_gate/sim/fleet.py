@@ -7,7 +7,9 @@ trajectories starting together, ``rl-async`` with 512 x N arriving at N per seco
 ``speed`` (256 x N trajectories of exactly 30 turns, the twin's speed case). Faults: ``none``;
 ``straggler`` (replica 0 at half speed); ``lost`` (replica 0 lost once half the turns have
 finished); ``absent`` (the same sessions on N - 1 replicas: what a straggler or a lost replica
-is measured against).
+is measured against). ``--sessions-per-replica K`` scales a workload down (or up) to K
+sessions per replica for a quick run; ``rl-async`` keeps its arrival rate of one a second per
+replica.
 """
 
 from __future__ import annotations
@@ -29,22 +31,25 @@ FLEET_WORKLOADS = ("rl-rollout", "rl-async", "speed")
 STRAGGLER_SLOWDOWN = 2.0
 
 
-def fleet_workload(name: str, replicas: int, seed: int) -> Workload:
-    """Workload ``name`` scaled to a fleet of ``replicas``."""
+def fleet_workload(name: str, replicas: int, seed: int, per_replica: int | None = None) -> Workload:
+    """Workload ``name`` scaled to a fleet of ``replicas``: its own sessions per replica (256;
+    512 for ``rl-async``), or ``per_replica``."""
+    if per_replica is not None and per_replica < 1:
+        raise ValueError(f"sessions per replica {per_replica}: at least 1")
     if name == "rl-rollout":
-        return rl_rollout_workload(seed, sessions=256 * replicas, name=f"rl-rollout-x{replicas}")
+        n = (per_replica or 256) * replicas
+        return rl_rollout_workload(seed, sessions=n, name=f"rl-rollout-x{replicas}")
     if name == "rl-async":
         return rl_rollout_workload(
             seed,
-            sessions=512 * replicas,
+            sessions=(per_replica or 512) * replicas,
             turns=(10, 40),
             name=f"rl-async-x{replicas}",
             arrivals_per_sec=float(replicas),
         )
     if name == "speed":
-        return rl_rollout_workload(
-            seed, sessions=256 * replicas, turns=(30, 30), name=f"speed-x{replicas}"
-        )
+        n = (per_replica or 256) * replicas
+        return rl_rollout_workload(seed, sessions=n, turns=(30, 30), name=f"speed-x{replicas}")
     raise ValueError(f"unknown fleet workload {name!r}: expected one of {FLEET_WORKLOADS}")
 
 
@@ -70,6 +75,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         default=["rl-rollout", "rl-async"],
         choices=FLEET_WORKLOADS,
         help="fleet workloads, scaled to the fleet (default rl-rollout rl-async)",
+    )
+    g.add_argument(
+        "--sessions-per-replica",
+        type=int,
+        default=None,
+        help="sessions per replica in each fleet workload (default: 256; 512 for rl-async)",
     )
 
 
@@ -170,11 +181,13 @@ def main(args: argparse.Namespace, modes: list[str]) -> None:
         raise SystemExit(f"--modes {','.join(bad)}: a fleet runs {', '.join(FLEET_MODES)}")
     if args.replicas < 1 or ("absent" in args.fault and args.replicas < 2):
         raise SystemExit(f"--replicas {args.replicas}: at least 1 (2 with --fault absent)")
+    if args.sessions_per_replica is not None and args.sessions_per_replica < 1:
+        raise SystemExit(f"--sessions-per-replica {args.sessions_per_replica}: at least 1")
     groups: dict[str, list[dict[str, Any]]] = {}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         jobs = []
         for name in args.fleet_workload:
-            workload = fleet_workload(name, args.replicas, args.seed)
+            workload = fleet_workload(name, args.replicas, args.seed, args.sessions_per_replica)
             for profile in args.profile:
                 for fault in args.fault:
                     key = f"{workload.name} @ {profile_label(profile)} fault={fault}"
