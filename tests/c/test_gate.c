@@ -90,10 +90,11 @@ static sg_status on_usage(void *user_data, sg_usage *out) {
     out->num_blocks = BLOCKS;
     out->num_free_blocks = (uint64_t)((1.0 - e->usage) * BLOCKS);
     out->block_size = BLOCK_SIZE;
-    /* A host KV tier of 4x the GPU cache, a quarter full. */
+    /* A host KV tier of a tenth of the GPU cache, full: too small to hold the working sets
+     * these tests commit, so the gate never steps aside for it (step 0 of the tree). */
     out->has_offload_blocks = true;
-    out->offload_num_blocks = 4 * BLOCKS;
-    out->offload_used_blocks = BLOCKS;
+    out->offload_num_blocks = BLOCKS / 10;
+    out->offload_used_blocks = BLOCKS / 10;
     pthread_mutex_unlock(&e->mu);
     return SG_OK;
 }

@@ -30,7 +30,8 @@ def gate_over(probe: ScriptedProbe) -> SessionGate:
 @pytest.mark.parametrize(
     ("tier_usage", "offloaded"),
     [
-        ({"offload_num_blocks": 400, "offload_used_blocks": 120}, 64),
+        # A tier of 6 blocks cannot hold "a" and "b" (8 blocks): the gate does not step aside.
+        ({"offload_num_blocks": 6, "offload_used_blocks": 6}, 64),
         ({"offload_num_blocks": "unavailable", "offload_used_blocks": "unavailable"}, None),
         ({}, "unavailable"),
     ],
@@ -47,6 +48,19 @@ async def test_tier_figures_are_read_or_read_as_no_tier(tier_usage, offloaded):
     s = gate.stats()
     assert s["probes"]["usage"]["failures"] == 0 and s["probes"]["prefix"]["failures"] == 0
     assert s["probes"]["prefix"]["count"] >= 1
+
+
+async def test_the_gate_steps_aside_while_the_tier_holds_the_committed_working_sets():
+    probe = TierProbe(0.5, num_blocks=100, block_size=BS, hit_ratio=0.0)
+    probe.set_usage_answer(
+        {**usage_answer(0.5, 100, BS), "offload_num_blocks": 8, "offload_used_blocks": 8}
+    )
+    gate = gate_over(probe)
+    async with gate.admit("a", [7] * (4 * BS), max_tokens=0, retain_session=True):
+        # Under pressure, nothing resident, but the tier holds "a" and "b" (8 blocks).
+        async with gate.admit("b", [8] * (4 * BS), max_tokens=0) as lease:
+            assert lease.reason == "open"
+    assert gate.stats()["probes"]["prefix"]["count"] == 0
 
 
 @pytest.mark.parametrize(

@@ -256,10 +256,18 @@ def test_the_engine_gate_reports_the_tier_and_reads_it_on_admits(tiered):
     native, _ = _load_native()
     # A watermark of 0 puts every admit under pressure: each one asks the prefix probe.
     config = native.GateConfig(high_watermark=0.01)
+    # While the tier (512 blocks) holds every committed working set the gate steps aside:
+    # admitted open, no prefix probe.
+    aside = EngineGateDriver(object(), _Probes(state), native, config, 30.0)
+    for n in range(2):
+        answer = aside.admit(f"a{n}", random_prompt(rng, 5 * BLOCK), 16, False, f"a{n}", "c")
+        assert (answer["status"], answer["reason"]) == ("admitted", "open"), answer
+    assert aside.stats()["probes"]["prefix"]["count"] == 0
+    # A first session whose working set (600 blocks) the tier cannot hold: the next cold one
+    # is decided by the tree under pressure, the tiered prefix probe answers, and it waits.
     gate = EngineGateDriver(object(), _Probes(state), native, config, 30.0)
-    first = gate.admit("s0", random_prompt(rng, 5 * BLOCK), 16, False, "t0", "c")
+    first = gate.admit("s0", random_prompt(rng, 5 * BLOCK), 600 * BLOCK, False, "t0", "c")
     assert first["status"] == "admitted", first
-    # The next is cold under pressure: the tiered prefix probe answers, and it waits.
     gate.admit("s1", random_prompt(rng, 5 * BLOCK), 16, False, "t1", "c")
     probes = gate.stats()["probes"]
     assert probes["prefix"]["count"] == 1 and probes["prefix"]["failures"] == 0, probes
