@@ -855,7 +855,6 @@ async fn forward(
         }
     };
     let (parts, mut incoming) = upstream.into_parts();
-    guard.status = parts.status.as_u16();
     // The answer is passed on from its first body frame, not its headers: a turn whose replica
     // dies between the two (vLLM sends a stream's headers before its first token) has given
     // the client nothing, and is placed again like one never sent. A replica still alive that
@@ -884,6 +883,9 @@ async fn forward(
             return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
         }
     };
+    // Counted with the replica's status only once it is what the client gets: a failure before
+    // the first frame answers the client 502 (or 504), and is counted so.
+    guard.status = parts.status.as_u16();
     let idle_timeout = Duration::from_secs_f64(proxy.config.idle_timeout_sec);
     let mut response = Response::new(Body::new(Tracked {
         first,
