@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SERVE_TIMEOUT, get_text, metric, proxy_binary
-from session_gate.lab.engine.serve import start_proxy, start_vllm, stop
+from conftest import get_text, metric, proxy_binary, served_vllm
+from session_gate.lab.engine.serve import start_proxy, stop
 
 # A byte relay to the engine: prints its port, forwards every connection to argv[1]'s port.
 RELAY = r"""
@@ -67,21 +67,14 @@ PROMPT = "one two three four five six seven eight nine ten " * 6
 
 @pytest.fixture(scope="module")
 def engine():
-    workdir = Path(tempfile.mkdtemp(prefix="session-gate-fleet-"))
-    proc = None
-    try:
-        proc, url = start_vllm(
-            workdir,
-            num_blocks=128,
-            max_model_len=1024,
-            extra_args=["--max-num-seqs", "8", "--seed", "0"],
-            timeout=SERVE_TIMEOUT,
-        )
-        yield url, workdir
-    finally:
-        if proc is not None:
-            stop(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+    """The one engine, and a work directory for the proxies' files and logs."""
+    extra = ["--max-num-seqs", "8", "--seed", "0"]
+    with served_vllm("fleet", extra_args=extra, num_blocks=128, max_model_len=1024) as url:
+        workdir = Path(tempfile.mkdtemp(prefix="session-gate-fleet-proxy-"))
+        try:
+            yield url, workdir
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def relay(engine_url: str) -> tuple[subprocess.Popen, str]:
