@@ -2,9 +2,9 @@
 //! proxy's own, described once here (prefix `session_gate_proxy_`).
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use super::replicas::Replicas;
+use super::replicas::{Replica, Replicas};
 
 /// Latency buckets (seconds) of `session_gate_proxy_request_duration_seconds`.
 pub const LATENCY_BUCKETS: [f64; 14] = [
@@ -168,33 +168,20 @@ impl ProxyMetrics {
             list.iter()
                 .map(|r| (r.url.base.as_str(), r.gate.prometheus())),
         );
-        let _ = writeln!(
-            out,
-            "# HELP session_gate_proxy_replica_healthy Whether the replica passed its last health check."
+        replica_gauge(
+            &mut out,
+            "session_gate_proxy_replica_healthy",
+            "Whether the replica passed its last health check.",
+            &list,
+            Replica::is_healthy,
         );
-        let _ = writeln!(out, "# TYPE session_gate_proxy_replica_healthy gauge");
-        for r in &list {
-            let _ = writeln!(
-                out,
-                "session_gate_proxy_replica_healthy{{replica=\"{}\"}} {}",
-                escape(&r.url.base),
-                u8::from(r.is_healthy())
-            );
-        }
-        let name = "session_gate_proxy_replica_listed";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Whether the replica is listed (flags or the replicas file); an unlisted one takes no new turns."
+        replica_gauge(
+            &mut out,
+            "session_gate_proxy_replica_listed",
+            "Whether the replica is listed (flags or the replicas file); an unlisted one takes no new turns.",
+            &list,
+            Replica::is_listed,
         );
-        let _ = writeln!(out, "# TYPE {name} gauge");
-        for r in &list {
-            let _ = writeln!(
-                out,
-                "{name}{{replica=\"{}\"}} {}",
-                escape(&r.url.base),
-                u8::from(r.is_listed())
-            );
-        }
         let name = "session_gate_proxy_replica_list_changes_total";
         let _ = writeln!(
             out,
@@ -345,6 +332,26 @@ pub fn merge_gate_metrics<'a>(gates: impl Iterator<Item = (&'a str, String)>) ->
         }
     }
     out
+}
+
+/// A 0/1 gauge with one sample per replica, labelled by its URL.
+fn replica_gauge(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    list: &[Arc<Replica>],
+    value: impl Fn(&Replica) -> bool,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} gauge");
+    for r in list {
+        let _ = writeln!(
+            out,
+            "{name}{{replica=\"{}\"}} {}",
+            escape(&r.url.base),
+            u8::from(value(r))
+        );
+    }
 }
 
 #[cfg(test)]
