@@ -829,30 +829,11 @@ async fn forward(
             guard.finish(Outcome::Rerouted);
             return Attempt::NotSent(format!("{uri}: {e}"));
         }
-        // The exchange broke before any answer came back, and the replica now refuses
-        // connections: it is gone, and whatever of the request it got died with it (nothing
-        // was answered, and a client that vanished has its request aborted by vLLM). The turn
-        // is placed again rather than lost with its replica.
-        Ok(Err(e)) if gone(proxy, replica).await => {
-            guard.finish(Outcome::Rerouted);
-            return Attempt::NotSent(format!("{uri}: {e} (the replica is gone)"));
-        }
         Ok(Err(e)) => {
-            guard.finish(Outcome::UpstreamFailed);
-            return Attempt::Done(error(
-                StatusCode::BAD_GATEWAY,
-                "BadGatewayError",
-                format!(
-                    "replica {} failed after the request was sent (not retried): {e}",
-                    replica.url.base
-                ),
-            ));
+            let e = e.to_string();
+            return guard.broke(&uri, &e, "after the request was sent").await;
         }
-        Err(_) => {
-            guard.status = 504;
-            guard.finish(Outcome::UpstreamFailed);
-            return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
-        }
+        Err(_) => return guard.timed_out(&uri),
     };
     let (parts, mut incoming) = upstream.into_parts();
     // The answer is passed on from its first body frame, not its headers: a turn whose replica
@@ -862,26 +843,11 @@ async fn forward(
     let first = match tokio::time::timeout(timeout, incoming.frame()).await {
         Ok(Some(Ok(frame))) => Some(frame),
         Ok(None) => None,
-        Ok(Some(Err(e))) if gone(proxy, replica).await => {
-            guard.finish(Outcome::Rerouted);
-            return Attempt::NotSent(format!("{uri}: {e} (the replica is gone)"));
-        }
         Ok(Some(Err(e))) => {
-            guard.finish(Outcome::UpstreamFailed);
-            return Attempt::Done(error(
-                StatusCode::BAD_GATEWAY,
-                "BadGatewayError",
-                format!(
-                    "replica {} failed before its answer began (not retried): {e}",
-                    replica.url.base
-                ),
-            ));
+            let e = e.to_string();
+            return guard.broke(&uri, &e, "before its answer began").await;
         }
-        Err(_) => {
-            guard.status = 504;
-            guard.finish(Outcome::UpstreamFailed);
-            return Attempt::Done(gateway_timeout(&uri, proxy.config.response_timeout_sec));
-        }
+        Err(_) => return guard.timed_out(&uri),
     };
     // Counted with the replica's status only once it is what the client gets: a failure before
     // the first frame answers the client 502 (or 504), and is counted so.
@@ -923,6 +889,32 @@ struct Guard {
 }
 
 impl Guard {
+    /// Ends a turn whose exchange with the replica broke (`e`, `when` it broke) before the
+    /// client got anything. A replica that now refuses connections is gone, and whatever of
+    /// the request it got died with it (nothing was answered, and a client that vanished has
+    /// its request aborted by vLLM): the turn is placed again (`NotSent`) rather than lost
+    /// with it. A replica still alive answers 502, not retried.
+    async fn broke(&mut self, uri: &str, e: &str, when: &str) -> Attempt {
+        if gone(&self.proxy, &self.replica).await {
+            self.finish(Outcome::Rerouted);
+            return Attempt::NotSent(format!("{uri}: {e} (the replica is gone)"));
+        }
+        self.finish(Outcome::UpstreamFailed);
+        let base = &self.replica.url.base;
+        Attempt::Done(error(
+            StatusCode::BAD_GATEWAY,
+            "BadGatewayError",
+            format!("replica {base} failed {when} (not retried): {e}"),
+        ))
+    }
+
+    /// Ends a turn whose replica sent nothing within `--response-timeout-sec`: 504.
+    fn timed_out(&mut self, uri: &str) -> Attempt {
+        self.status = 504;
+        self.finish(Outcome::UpstreamFailed);
+        Attempt::Done(gateway_timeout(uri, self.proxy.config.response_timeout_sec))
+    }
+
     fn finish(&mut self, outcome: Outcome) {
         if std::mem::replace(&mut self.done, true) {
             return;
