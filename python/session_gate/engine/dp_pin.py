@@ -201,15 +201,14 @@ def _wrap_get_core_engine(original: Any) -> Any:
 
 def _wrap_add_request(original: Any) -> Any:
     async def add_request_async(self: Any, request: Any) -> None:
-        if self.client_count > 1:
-            session_id = _pinnable(self, request)
-            if session_id is not None:
-                state = _client_pins(self)
-                if state.pins.get(session_id) is None:
-                    rank = await _ask(self, state, session_id)
-                    if rank is not None:
-                        state.pins.set(session_id, rank)
-                        state.pins.counters["learned"] += 1
+        session_id = _pinnable(self, request)
+        if session_id is not None:
+            state = _client_pins(self)
+            if state.shared and state.pins.get(session_id) is None:
+                rank = await _ask(self, state, session_id)
+                if rank is not None:
+                    state.pins.set(session_id, rank)
+                    state.pins.counters["learned"] += 1
         return await original(self, request)
 
     add_request_async.__wrapped__ = original  # type: ignore[attr-defined]
