@@ -53,6 +53,24 @@ pub struct SessionView {
     pub shared_blocks: u64,
 }
 
+impl SessionView {
+    /// A turn of `prompt_tokens` (its first `shared_tokens` shared with other sessions) that
+    /// adds `output_tokens`, on replicas of `block_size` tokens a block: full prompt blocks,
+    /// output blocks rounded up.
+    pub fn from_tokens(
+        prompt_tokens: u64,
+        output_tokens: u64,
+        shared_tokens: u64,
+        block_size: u64,
+    ) -> Self {
+        Self {
+            prompt_blocks: prompt_tokens / block_size,
+            output_blocks: output_tokens.div_ceil(block_size),
+            shared_blocks: shared_tokens / block_size,
+        }
+    }
+}
+
 /// Why a session went where it went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PlaceReason {

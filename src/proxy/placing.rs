@@ -90,29 +90,24 @@ pub fn replica_view(facts: &ReplicaFacts) -> ReplicaView {
 /// The policy's view of a turn of `prompt_tokens` tokens that may add `max_tokens`, on replicas
 /// of `block_size` tokens a block (module docs: nothing is known to be shared).
 pub fn session_view(prompt_tokens: usize, max_tokens: usize, block_size: u64) -> SessionView {
-    let block_size = block_size.max(1);
-    SessionView {
-        prompt_blocks: prompt_tokens as u64 / block_size,
-        output_blocks: (max_tokens as u64).div_ceil(block_size),
-        shared_blocks: 0,
-    }
+    SessionView::from_tokens(
+        prompt_tokens as u64,
+        max_tokens as u64,
+        0,
+        block_size.max(1),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::gate::placement::{PlaceReason, Placement, PlacementConfig, eta};
+    use crate::gate::testing::usage_report;
 
     fn usage(num_blocks: u64, free: u64) -> UsageReport {
-        UsageReport {
-            kv_cache_usage: 1.0 - free as f64 / num_blocks as f64,
-            num_blocks,
-            num_free_blocks: free,
-            num_cached_free_blocks: None,
-            block_size: 16,
-            offload_num_blocks: None,
-            offload_used_blocks: None,
-        }
+        let report = usage_report(1.0 - free as f64 / num_blocks as f64, num_blocks, 16);
+        assert_eq!(report.num_free_blocks, free);
+        report
     }
 
     fn facts(grade: Grade, usage: Option<UsageReport>, committed: u64) -> ReplicaFacts {

@@ -666,11 +666,7 @@ impl Fleet {
             c.history
         };
         let output = u64::from(c.spec.turns[c.turn].output);
-        let view = SessionView {
-            prompt_blocks: prompt / bs,
-            output_blocks: output.div_ceil(bs),
-            shared_blocks: u64::from(c.spec.system_tokens) / bs,
-        };
+        let view = SessionView::from_tokens(prompt, output, u64::from(c.spec.system_tokens), bs);
         (prompt, view)
     }
 
