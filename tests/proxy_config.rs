@@ -175,7 +175,7 @@ fn a_replicas_file_adds_to_the_flags_and_a_bad_line_is_named() {
     let bases: Vec<_> = c.replicas.iter().map(|r| r.base.as_str()).collect();
     assert_eq!(bases, ["http://a:1", "http://b:2"]);
     assert_eq!(c.static_replicas.len(), 1);
-    assert_eq!(c.replicas_file.as_ref().unwrap().0, path);
+    assert_eq!(c.discovery.file.as_ref().unwrap().0, path);
 
     // The file alone is enough; from TOML too.
     let toml = format!("replicas_file = {:?}\n", path.display().to_string());
@@ -197,4 +197,30 @@ fn a_replicas_file_adds_to_the_flags_and_a_bad_line_is_named() {
     assert_eq!(field_of(ProxyConfig::from_toml(&a, "")), "replicas");
     std::fs::remove_file(&path).unwrap();
     assert_eq!(field_of(ProxyConfig::from_toml(&a, "")), "replicas_file");
+}
+
+#[test]
+fn dns_names_add_their_addresses_and_a_bad_one_is_named() {
+    let mut a = args(&["http://127.0.0.1:8000"]);
+    a.replicas_dns = vec!["localhost:8000".into(), "localhost:8001".into()];
+    let c = ProxyConfig::from_toml(&a, "").unwrap();
+    // localhost:8000 is the flag's replica already; :8001 is a new one.
+    let bases: Vec<_> = c.replicas.iter().map(|r| r.base.as_str()).collect();
+    assert_eq!(bases[0], "http://127.0.0.1:8000");
+    assert!(bases.contains(&"http://127.0.0.1:8001"), "{bases:?}");
+    assert_eq!(c.discovery.dns.len(), 2);
+
+    // A name that does not resolve (yet) is no error: the proxy starts with no replica and
+    // takes them when the name resolves.
+    let c =
+        ProxyConfig::from_toml(&args(&[]), "replicas_dns = [\"not-yet.invalid:8000\"]\n").unwrap();
+    assert!(c.replicas.is_empty());
+    assert!(c.discovery.dns[0].2.is_empty());
+
+    // A malformed one is refused, naming its place in the list.
+    let mut a = args(&[]);
+    a.replicas_dns = vec!["localhost:8000".into(), "http://x:80".into()];
+    let e = ProxyConfig::from_toml(&a, "").unwrap_err();
+    assert_eq!(e.field, "replicas_dns[1]");
+    assert!(e.message.contains("no scheme"), "{e}");
 }

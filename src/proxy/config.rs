@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use clap::Parser;
 use serde::Deserialize;
 
+use super::discovery::Sources;
+use super::replicas_dns::{self, DnsName};
 use crate::gate::{GateConfig, Pressure};
 
 /// Default listen address: loopback only, so nothing is exposed unless asked for.
@@ -45,6 +47,12 @@ pub struct ProxyArgs {
     /// sessions move at their next turn.
     #[arg(long, value_name = "PATH")]
     pub replicas_file: Option<PathBuf>,
+
+    /// DNS name whose addresses are replicas, as NAME:PORT (repeat or separate with commas),
+    /// e.g. a Kubernetes headless service `vllm.rollout.svc.cluster.local:8000`; resolved
+    /// again every 2 s (a name that fails to resolve keeps the replicas it had).
+    #[arg(long, value_name = "NAME:PORT", value_delimiter = ',')]
+    pub replicas_dns: Vec<String>,
 
     /// Header carrying the session id when the path has none [default: x-session-id].
     #[arg(long, value_name = "NAME")]
@@ -151,6 +159,7 @@ struct FileConfig {
     listen: Option<String>,
     replicas: Option<Vec<String>>,
     replicas_file: Option<PathBuf>,
+    replicas_dns: Option<Vec<String>>,
     session_header: Option<String>,
     high_watermark: Option<f64>,
     hit_threshold: Option<f64>,
@@ -216,13 +225,14 @@ pub struct ProxyConfig {
     /// Where to listen.
     pub listen: SocketAddr,
     /// The replicas at startup, in the order given: the static ones (flags or the TOML file's
-    /// `replicas`), then the replicas file's.
+    /// `replicas`), then the replicas file's, then the DNS names'.
     pub replicas: Vec<ReplicaUrl>,
     /// The static replicas (flags or TOML `replicas`): always listed, whatever the replicas file
     /// says later.
     pub static_replicas: Vec<ReplicaUrl>,
-    /// The replicas file (`--replicas-file`) and its text at startup, if one was given.
-    pub replicas_file: Option<(PathBuf, String)>,
+    /// The sources polled while running (`--replicas-file`, `--replicas-dns`), with what they
+    /// answered at startup.
+    pub discovery: Sources,
     /// Lower-cased header name carrying the session id.
     pub session_header: String,
     /// Each replica's gate configuration (validated).
@@ -372,24 +382,37 @@ impl ProxyConfig {
             replicas.push(r);
         }
         let static_replicas = replicas.clone();
-        let replicas_file = match args.replicas_file.clone().or(file.replicas_file) {
-            None => None,
-            Some(path) => {
-                let (text, urls) =
-                    super::replicas_file::read(&path).map_err(|e| err("replicas_file", e))?;
-                for url in urls {
-                    if !replicas.iter().any(|o| o.base == url.base) {
-                        replicas.push(url);
-                    }
-                }
-                Some((path, text))
-            }
+        let mut discovery = Sources::default();
+        if let Some(path) = args.replicas_file.clone().or(file.replicas_file) {
+            let (text, urls) =
+                super::replicas_file::read(&path).map_err(|e| err("replicas_file", e))?;
+            discovery.file = Some((path, text, urls));
+        }
+        let dns_list = if args.replicas_dns.is_empty() {
+            file.replicas_dns.unwrap_or_default()
+        } else {
+            args.replicas_dns.clone()
         };
-        if replicas.is_empty() {
+        for (i, text) in dns_list.iter().enumerate() {
+            let field = format!("replicas_dns[{i}]");
+            let name = DnsName::parse(text).map_err(|e| err(&field, e))?;
+            // Not resolving yet is no error: the pods behind the name may not be ready.
+            let urls = replicas_dns::resolve_blocking(&name).unwrap_or_else(|e| {
+                eprintln!("session-gate proxy: {e}; no replica from {field} yet");
+                Vec::new()
+            });
+            discovery.dns.push((name, None, urls));
+        }
+        for url in discovery.listed() {
+            if !replicas.iter().any(|o| o.base == url.base) {
+                replicas.push(url);
+            }
+        }
+        if replicas.is_empty() && discovery.dns.is_empty() {
             return Err(err(
                 "replicas",
-                "at least one replica is needed (--replica http://host:port, or a \
-                 --replicas-file that lists one)",
+                "at least one replica is needed (--replica http://host:port, a \
+                 --replicas-file that lists one, or --replicas-dns NAME:PORT)",
             ));
         }
         let session_header = args
@@ -505,7 +528,7 @@ impl ProxyConfig {
             listen,
             replicas,
             static_replicas,
-            replicas_file,
+            discovery,
             session_header,
             gate,
             usage_cache_ms,

@@ -178,7 +178,7 @@ impl ProxyMetrics {
         replica_gauge(
             &mut out,
             "session_gate_proxy_replica_listed",
-            "Whether the replica is listed (flags or the replicas file); an unlisted one takes no new turns.",
+            "Whether the replica is listed (flags, the replicas file or a DNS name); an unlisted one takes no new turns.",
             &list,
             Replica::is_listed,
         );

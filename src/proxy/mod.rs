@@ -10,7 +10,8 @@
 //!   [`crate::gate::placement`], the one the twin's fleet drives, over what the proxy knows of
 //!   each replica; a new session may be held until a replica would take it (late binding). A
 //!   replica failing health checks takes nothing new and its sessions move.
-//! - Replicas from flags, and from a file re-read while running ([`replicas_file`]).
+//! - Replicas from flags, and from a file and DNS names re-read while running ([`discovery`]:
+//!   [`replicas_file`], [`replicas_dns`]).
 //! - Each gated request acquires its replica's gate before it is forwarded and releases when
 //!   the answer has been passed on, failed, or the client went away ([`forward`]). A retry
 //!   while the older attempt still waits preempts it: the older one gets HTTP 409.
@@ -21,6 +22,7 @@
 //!   by the replica's own `/tokenize`. Usage answers are cached for `usage_cache_ms` and
 //!   shared between concurrent requests ([`usage_cache`]).
 pub mod config;
+pub mod discovery;
 pub mod engine_gate_client;
 pub mod forward;
 pub mod http_probe;
@@ -28,6 +30,7 @@ pub mod metrics;
 pub mod placing;
 pub mod replica_gate;
 pub mod replicas;
+pub mod replicas_dns;
 pub mod replicas_file;
 pub mod upstream;
 pub mod usage_cache;
@@ -124,16 +127,12 @@ pub async fn serve(
             .map(|r| r.url.base.as_str())
             .collect::<Vec<_>>()
             .join(", "),
-        match &proxy.config.replicas_file {
-            Some((path, _)) => format!(" (re-reading {})", path.display()),
-            None => String::new(),
-        }
+        discovery_note(&proxy.config.discovery)
     );
     let health = proxy.spawn_health_checks();
-    let watch =
-        proxy.config.replicas_file.clone().map(|(path, text)| {
-            tokio::spawn(replicas_file::watch(proxy.replicas.clone(), path, text))
-        });
+    let sources = &proxy.config.discovery;
+    let watch = (!sources.is_empty())
+        .then(|| tokio::spawn(discovery::watch(proxy.replicas.clone(), sources.clone())));
     let heartbeat = proxy.replica_gate.spawn_heartbeat(&proxy.replicas);
     let result = axum::serve(listener, proxy.router())
         .with_graceful_shutdown(shutdown)
@@ -146,4 +145,19 @@ pub async fn serve(
         h.abort();
     }
     result
+}
+
+/// What the startup line says about the sources polled while running.
+fn discovery_note(sources: &discovery::Sources) -> String {
+    let mut polled: Vec<String> = sources
+        .file
+        .iter()
+        .map(|(path, _, _)| path.display().to_string())
+        .collect();
+    polled.extend(sources.dns.iter().map(|(name, _, _)| name.target()));
+    if polled.is_empty() {
+        String::new()
+    } else {
+        format!(" (re-reading {})", polled.join(", "))
+    }
 }

@@ -3,19 +3,13 @@
 //! host list). One `http://host[:port]` a line; `#` starts a comment; blank lines are skipped.
 //!
 //! Read once at startup, where a bad line is a configuration error naming the line, then polled
-//! every [`POLL`]: when its text changed, it is parsed again and the proxy's replica list
-//! updated ([`Replicas::set_listed`](super::replicas::Replicas::set_listed)). A re-read that
-//! fails (unreadable file, a bad line) is logged and the last good list is kept: a half-written
-//! file must not empty the fleet.
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+//! every [`POLL`](super::discovery::POLL) by the discovery loop ([`super::discovery`]): when its text changed, it is
+//! parsed again and the proxy's replica list updated. A re-read that fails (unreadable file, a
+//! bad line) is logged and the last good list is kept: a half-written file must not empty the
+//! fleet.
+use std::path::Path;
 
 use super::config::{ReplicaUrl, parse_replica};
-use super::replicas::Replicas;
-
-/// How often the file is looked at.
-pub const POLL: Duration = Duration::from_secs(2);
 
 /// Parses the file's text: one replica URL a line, `#` comments, blank lines skipped. An error
 /// names the line (1-based) and what is wrong with it; a URL listed twice is an error too.
@@ -42,39 +36,6 @@ pub fn read(path: &Path) -> Result<(String, Vec<ReplicaUrl>), String> {
         .map_err(|e| format!("cannot read the replicas file {}: {e}", path.display()))?;
     let urls = parse(path, &text)?;
     Ok((text, urls))
-}
-
-/// Polls `path` every [`POLL`] and applies each changed, valid version to `replicas`, forever.
-/// `last_text` is the text the proxy started from.
-pub async fn watch(replicas: Arc<Replicas>, path: PathBuf, mut last_text: String) {
-    loop {
-        tokio::time::sleep(POLL).await;
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!(
-                    "session-gate proxy: cannot re-read the replicas file {} ({e}); keeping the \
-                     last good list",
-                    path.display()
-                );
-                continue;
-            }
-        };
-        if text == last_text {
-            continue;
-        }
-        match parse(&path, &text) {
-            Ok(urls) => {
-                replicas.set_listed(&urls);
-            }
-            Err(e) => eprintln!(
-                "session-gate proxy: the replicas file changed but is not valid ({e}); keeping \
-                 the last good list"
-            ),
-        }
-        // A bad version is reported once, not every poll, until the file changes again.
-        last_text = text;
-    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ the proxy's ``session_gate_proxy_requests_total{replica=...}``; placement decisi
   sessions move (``down_move``) at their next turn; a bad line at re-read keeps the last list.
 - A replica killed while turns stream: every turn that had not started streaming completes
   (re-placed), its sessions' next turns complete elsewhere, and the moves are counted.
+- Replicas behind a DNS name (``--replicas-dns localhost:PORT``) are listed and take sessions.
 - A bad line in the file at startup is refused, naming the line.
 """
 
@@ -232,6 +233,29 @@ async def test_a_killed_replica_loses_no_turn_that_had_not_started_streaming(eng
                 f"gate_at={gate_at}: {homed_on_r1:.0f} of {len(sessions)} sessions on the killed "
                 f"replica, {sum(not v for v in done.values())} streams cut, moves {reasons}"
             )
+    finally:
+        stop(proxy)
+        kill(r1)
+
+
+async def test_replicas_behind_a_dns_name_are_listed_and_take_sessions(engine):
+    import httpx
+
+    url, workdir = engine
+    r1, r1_url = relay(url)
+    port = url.rsplit(":", 1)[1]
+    # The static replica is the relay; the engine itself comes from the name `localhost`.
+    args = ["--replicas-dns", f"localhost:{port}", "--health-interval-sec", "0.5"]
+    proxy, proxy_url = start_proxy(proxy_binary(), r1_url, workdir, args)
+    try:
+        wait_listed(proxy_url, {r1_url: 1, f"http://127.0.0.1:{port}": 1})
+        async with httpx.AsyncClient(timeout=120) as client:
+            for k in range(4):
+                await turn(client, proxy_url, f"dns{k}")
+        by_name = completed(proxy_url, f"http://127.0.0.1:{port}")
+        assert by_name >= 1 and by_name + completed(proxy_url, r1_url) == 4
+        log = (workdir / "proxy.log").read_text()
+        assert f"re-reading localhost:{port}" in log, log[-2000:]
     finally:
         stop(proxy)
         kill(r1)
