@@ -7,8 +7,9 @@ session's turns enter either API-server process; the pins (``dp_pin``) must agre
 
 Which rank served a request is read from vLLM's own metrics: ``vllm:request_success_total`` is
 labelled by engine (= DP rank); requests are sent one at a time, so the engine whose count rose
-served it. The first rank's gate (scheduler mode, ``SESSION_GATE_SCHEDULER=session-id``) is a
-second witness: it gates exactly the session turns rank 0 served.
+served it. Each rank's own gate (scheduler mode, ``SESSION_GATE_SCHEDULER=session-id``; every
+rank's stats under ``ranks``) is a second witness: it gates exactly the session turns its rank
+served.
 """
 
 from __future__ import annotations
@@ -73,8 +74,13 @@ def history(session: str, turn: int) -> str:
     return " ".join(f"{session} turn {t} says hello to the tools" for t in range(turn + 1))
 
 
+def gated_by_rank(url: str) -> list[int]:
+    """Session turns each rank's own gate (scheduler mode) gated, from the stats' ``ranks``."""
+    return [rank["scheduler"]["gated"] for rank in gate_stats(url)["ranks"]]
+
+
 def test_each_sessions_turns_reach_one_rank(url):
-    gated_before = gate_stats(url)["scheduler"]["gated"]
+    gated_before = gated_by_rank(url)
     ranks: dict[str, list[int]] = {s: [] for s in SESSIONS}
     for turn in range(TURNS):
         for i, session in enumerate(SESSIONS):
@@ -83,15 +89,28 @@ def test_each_sessions_turns_reach_one_rank(url):
     assert all(len(set(r)) == 1 for r in ranks.values()), ranks
     homes = {s: r[0] for s, r in ranks.items()}
     assert set(homes.values()) == {0, 1}, homes  # vLLM's balancer placed them on both ranks
-    # Rank 0's own gate saw exactly the turns of the sessions that live there.
-    on_rank0 = sum(TURNS for home in homes.values() if home == 0)
-    assert gate_stats(url)["scheduler"]["gated"] - gated_before == on_rank0
+    # Each rank's own gate saw exactly the turns of the sessions that live there.
+    gated = [after - before for after, before in zip(gated_by_rank(url), gated_before, strict=True)]
+    assert gated == [sum(TURNS for h in homes.values() if h == r) for r in (0, 1)], (gated, homes)
     # The authority (rank 0's engine core) recorded each session once, from whichever
     # API-server process placed it; a process that saw a session later asked it.
     pins = gate_stats(url)["dp_pins"]
     assert pins["pins"] == len(SESSIONS) and pins["recorded"] == len(SESSIONS), pins
     assert pins.get("recorded_lost", 0) == 0, pins
     print(f"authority: {pins}")
+
+
+def test_every_ranks_gate_is_in_the_stats_and_on_metrics(url):
+    stats = gate_stats(url)
+    assert len(stats["ranks"]) == 2 and stats["ranks"][0]["scheduler"] == stats["scheduler"]
+    text = httpx.get(f"{url}/session_gate/v1/stats", params={"format": "prometheus"}, timeout=60)
+    for rank in ("0", "1"):
+        assert re.search(rf'^session_gate_\w+\{{.*rank="{rank}"', text.text, re.M), text.text
+    # vLLM's /metrics mirrors the same text (every few seconds) in each API-server process.
+    deadline = time.monotonic() + 30
+    while not re.search(r'^session_gate_\w+\{.*rank="1"', httpx.get(f"{url}/metrics").text, re.M):
+        assert time.monotonic() < deadline, "rank 1's gate never reached /metrics"
+        time.sleep(0.5)
 
 
 def test_requests_without_session_ids_are_balanced_by_vllm(url):

@@ -15,6 +15,9 @@ plugin beside the probe routes, ``http_routes``). All POST, all JSON; errors in 
 ``/session_gate/v1/renew``    ``{"client_id": c}`` → ``{"lease_ttl_sec", "leases", "pending"}``
 ``/session_gate/v1/stats``    the gate's counters; ``?format=prometheus`` for text;
                               ``?format=inferred``: the scheduler mode's recent inferences.
+                              With data parallelism each rank has its own gate: the JSON is
+                              rank 0's with ``ranks`` (every rank's, in rank order), the text
+                              labels each sample with its ``rank``.
 ``/finish_session?session_id=s``  ``/session_gate/v1/finish`` in the fleet routers' convention:
     vllm-router's ``POST /finish_session?session_id=<id>`` (empty body), which prime-rl and SkyRL
     send at each episode's end. A client pointed straight at ``vllm serve`` (no router) thus
@@ -38,6 +41,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from session_gate.engine import metrics_mirror
 from session_gate.engine.http_routes import (
     PREFIX,
     ProbeError,
@@ -201,9 +205,13 @@ async def stats(request: Request) -> Response:
         fmt = request.query_params.get("format", "json")
         if fmt not in ("json", "prometheus", "inferred"):
             raise ProbeError(400, f'format must be "json", "prometheus" or "inferred", got {fmt!r}')
-        answer = await routes.call("session_gate_stats", fmt)
         if fmt == "prometheus":
-            return PlainTextResponse(answer, media_type="text/plain; version=0.0.4")
+            text = await metrics_mirror.fetch(routes)
+            return PlainTextResponse(text or "", media_type="text/plain; version=0.0.4")
+        answers = await routes.call_each("session_gate_stats", fmt)
+        answer = answers[0]
+        if len(answers) > 1:  # DP: the first rank's, as before, and every rank's
+            answer = {**answer, "ranks": answers} if fmt == "json" else answers
         return JSONResponse(_json_safe(answer))
     except ProbeError as err:
         return err.response()

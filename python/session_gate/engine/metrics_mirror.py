@@ -27,8 +27,9 @@ How it is mirrored follows how vLLM builds ``/metrics`` (``vllm.v1.metrics.prome
 Asking never builds a gate: the call passes ``build=False``, and an engine whose gate has not
 been used yet (no admit, no request with a session id in scheduler mode) answers None: nothing is
 mirrored until it is. An engine without the engine-side plugin stops the task (one warning).
-With data parallelism the utility call reaches the first engine core, so ``/metrics`` shows that
-engine's gate, as ``/session_gate/v1/stats`` does.
+With data parallelism every engine core (DP rank) has its own gate: each one is asked, and each
+sample carries a ``rank`` label (:func:`ranked_text`), as on ``/session_gate/v1/stats?format=
+prometheus``; without it the labels are the engine's own.
 
 Cost: one utility call per API-server process every ``INTERVAL_SEC`` (the engine renders its
 counters as text between two steps, as for ``/session_gate/v1/stats``), and a parse of that text
@@ -42,7 +43,8 @@ import logging
 import os
 from typing import Any
 
-from prometheus_client import REGISTRY, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 logger = logging.getLogger("session_gate")
@@ -113,6 +115,43 @@ def _mirror() -> _Snapshot | _Gauges:
     return _target
 
 
+class _Families:
+    """A collector of fixed families, to render them with prometheus_client's own writer."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
+def ranked_text(texts: list[str | None]) -> str | None:
+    """One Prometheus text of several engine cores' texts (``texts[r]``: DP rank ``r``'s, None
+    while it has no gate): every sample gains a ``rank`` label, each family is listed once with
+    the samples of every rank (the format wants a family's samples together). None when no rank
+    answered."""
+    merged: dict[str, Any] = {}
+    for rank, text in enumerate(texts):
+        for family in text_string_to_metric_families(text or ""):
+            into = merged.get(family.name)
+            if into is None:
+                into = merged[family.name] = Metric(family.name, family.documentation, family.type)
+            for sample in family.samples:
+                into.add_sample(sample.name, {**sample.labels, "rank": str(rank)}, sample.value)
+    if not merged:
+        return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))  # type: ignore[arg-type]
+    return generate_latest(registry).decode()
+
+
+async def fetch(routes: Any, build: bool = True) -> str | None:
+    """The engine gate's Prometheus text: the engine core's own, or with data parallelism every
+    rank's, labelled (:func:`ranked_text`). ``build=False``: None while no gate exists yet."""
+    texts = await routes.call_each("session_gate_stats", "prometheus", build)
+    return texts[0] if len(texts) == 1 else ranked_text(texts)
+
+
 def update(text: str) -> None:
     """Mirrors one fetched Prometheus text."""
     families = list(text_string_to_metric_families(text))
@@ -130,7 +169,7 @@ async def run(routes: Any, interval_sec: float = INTERVAL_SEC) -> None:
 
     while True:
         try:
-            text = await routes.call("session_gate_stats", "prometheus", False)
+            text = await fetch(routes, build=False)
             if text:
                 update(text)
         except asyncio.CancelledError:
