@@ -68,10 +68,18 @@ impl EngineGateClient {
 pub struct EngineLease {
     target: Target,
     lease: u64,
+    /// The DP rank whose gate holds it, on a data-parallel replica (its admit answer's `rank`).
+    rank: Option<u64>,
     released: bool,
 }
 
 impl EngineLease {
+    /// The DP rank whose gate admitted the turn (a data-parallel replica says it): the turn
+    /// must run there, and is forwarded without its session id, so it names the rank.
+    pub fn dp_rank(&self) -> Option<u64> {
+        self.rank
+    }
+
     /// Sends the release (once).
     pub fn release(&mut self) {
         if std::mem::replace(&mut self.released, true) {
@@ -231,6 +239,7 @@ impl EngineGateClient {
                     Some(lease) => Ok(EngineLease {
                         target,
                         lease,
+                        rank: value.get("rank").and_then(Value::as_u64),
                         released: false,
                     }),
                     None => Err(failed(

@@ -774,6 +774,9 @@ fn gateway_timeout(uri: &str, secs: f64) -> Response {
     )
 }
 
+/// vLLM's header naming the data-parallel rank a request must run on.
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
 #[allow(clippy::too_many_arguments)]
 async fn forward(
     proxy: &Arc<Proxy>,
@@ -796,11 +799,16 @@ async fn forward(
     let keep_session = lease
         .as_ref()
         .is_none_or(ReplicaLease::forwards_session_header);
+    let dp_rank = lease.as_ref().and_then(ReplicaLease::dp_rank);
     for (name, value) in headers {
         let drop_session = !keep_session && name.as_str() == proxy.config.session_header;
-        if !is_hop_header(name.as_str()) && !drop_session {
+        let replaced = dp_rank.is_some() && name.as_str() == DP_RANK_HEADER;
+        if !is_hop_header(name.as_str()) && !drop_session && !replaced {
             builder = builder.header(name, value);
         }
+    }
+    if let Some(rank) = dp_rank {
+        builder = builder.header(DP_RANK_HEADER, rank);
     }
     let request = match builder.body(Full::new(body)) {
         Ok(r) => r,

@@ -155,6 +155,15 @@ impl ReplicaLease {
     pub fn forwards_session_header(&self) -> bool {
         matches!(self.held, Held::Local(_))
     }
+
+    /// The DP rank the turn must run on (`X-data-parallel-rank`): the rank whose engine gate
+    /// admitted it, on a data-parallel replica; `None` otherwise.
+    pub fn dp_rank(&self) -> Option<u64> {
+        match &self.held {
+            Held::Local(_) => None,
+            Held::Engine(lease) => lease.dp_rank(),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -190,29 +190,98 @@ def test_the_authority_keeps_the_first_pin_and_forgets_on_finish():
             dp_pin.session_gate_dp_pin(core, "s", bad)
 
 
-async def test_the_lease_doors_refuse_a_client_of_several_engine_cores():
-    """The refusal itself (the engine test sees it over HTTP): a lease door is refused before
-    any call when the client fans out to several cores; probes and one core pass."""
+async def test_the_lease_doors_call_one_ranks_gate_on_a_client_of_several_engine_cores():
+    """``_Routes.call`` (the engine test sees it over HTTP): on a client that fans out to
+    several cores, a release goes to the rank its lease id names, a cancel to every rank;
+    probes, and any call on one core, go through vLLM's own ``call_utility_async``."""
     from types import SimpleNamespace
 
-    from session_gate.engine.http_routes import ProbeError, _Routes
+    from session_gate.engine.http_routes import _Routes
 
     calls = []
 
     class Core:
         def __init__(self, engines: int) -> None:
-            self.core_engines = list(range(engines))
+            self.core_engines = [f"e{k}" for k in range(engines)]
 
         async def call_utility_async(self, method, *args):
-            calls.append(method)
+            calls.append((method, "all"))
             return True
 
+        async def _call_utility_async(self, method, *args, engine):
+            calls.append((method, engine, *args))
+            return engine == "e1"
+
     several = _Routes(SimpleNamespace(engine_core=Core(2)), None)
-    for method in ("session_gate_admit", "session_gate_release", "session_gate_renew"):
-        with pytest.raises(ProbeError) as err:
-            await several.call(method, "x")
-        assert err.value.status == 501 and "SESSION_GATE_SCHEDULER" in err.value.message
-    assert calls == []
+    assert await several.call("session_gate_release", 7, "me") is True  # 7 = 3 × 2 + rank 1
+    assert await several.call("session_gate_cancel", "t", "me") is True  # rank 1 withdrew it
     assert await several.call("session_gate_usage") is True
+    assert calls == [
+        ("session_gate_release", "e1", 3, "me"),
+        ("session_gate_cancel", "e0", "t", "me"),
+        ("session_gate_cancel", "e1", "t", "me"),
+        ("session_gate_usage", "all"),
+    ]
+    calls.clear()
     assert await _Routes(SimpleNamespace(engine_core=Core(1)), None).call("session_gate_admit")
-    assert calls == ["session_gate_usage", "session_gate_admit"]
+    assert calls == [("session_gate_admit", "all")]
+
+
+# -- the lease doors' rank (dp_pin.rank_for_lease, dp_leases) ---------------------------------
+
+
+def test_a_lease_goes_to_the_pin_or_the_least_loaded_rank_and_pins_it():
+    c = client()
+    c.lb_engines[0][:2] = [3, 1]  # rank 0 busier by the coordinator's counts
+    assert dp_pin.least_loaded(c) == 1
+    assert asyncio.run(dp_pin.rank_for_lease(c, "a")) == 1
+    # Its turn follows the lease: vLLM's balancer is told the pinned rank.
+    assert route(c, request("a")) == 1
+    # Ties go to the rank with fewer pinned sessions, so idle ranks share new sessions.
+    c.lb_engines[0][:2] = [0, 0]
+    assert asyncio.run(dp_pin.rank_for_lease(c, "b")) == 0
+    assert asyncio.run(dp_pin.rank_for_lease(c, "c")) in (0, 1)
+    # This process's own requests in flight count (scaled by the client count), as in vLLM.
+    c.engine_inflight[ENGINES[0]] = 5
+    assert dp_pin.least_loaded(c) == 1
+    # Reading the load changes none of vLLM's counters.
+    assert c.lb_engines == [[0, 0, 0.0], [0, 0, 0.0]] and c.engine_inflight[ENGINES[1]] == 0
+
+
+def test_with_several_api_servers_the_authority_decides_a_leases_rank():
+    c = client(client_count=2)
+    calls = []
+
+    async def utility(method, session_id, rank, engine):
+        calls.append((method, session_id, rank, engine))
+        # The authority already pinned "taken" to rank 0; it knows nothing of the others.
+        known = {"taken": 0}.get(session_id)
+        return known if rank is None or known is not None else rank
+
+    c._call_utility_async = utility
+    assert asyncio.run(dp_pin.rank_for_lease(c, "taken")) == 0
+    c.lb_engines[1][:2] = [9, 9]
+    assert asyncio.run(dp_pin.rank_for_lease(c, "new")) == 0
+    assert [call[:3] for call in calls] == [
+        ("session_gate_dp_pin", "taken", None),
+        ("session_gate_dp_pin", "new", None),
+        ("session_gate_dp_pin", "new", 0),
+    ]
+    assert all(call[3] == ENGINES[0] for call in calls)  # the authority is the first core
+
+
+def test_lease_ids_name_their_rank_and_renewals_add_up():
+    from session_gate.engine import dp_leases
+
+    for lease, rank in [(0, 0), (7, 1), (123456789, 2)]:
+        encoded = dp_leases.encode_lease(lease, rank, 3)
+        assert dp_leases.decode_lease(encoded, 3) == (rank, lease)
+    assert dp_leases.decode_lease("x", 2) == (0, "x")  # rank 0's gate names the bad value
+    assert dp_leases.decode_lease(-1, 2) == (0, -1)
+    merged = dp_leases.merge_renewals(
+        [
+            {"lease_ttl_sec": 30.0, "leases": 2, "pending": 1},
+            {"lease_ttl_sec": 20.0, "leases": 1, "pending": 0},
+        ]
+    )
+    assert merged == {"lease_ttl_sec": 20.0, "leases": 3, "pending": 1}

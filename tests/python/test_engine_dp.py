@@ -19,7 +19,8 @@ import time
 
 import httpx
 import pytest
-from conftest import gate_stats, served_multi_api
+from conftest import gate_stats, proxy_binary, served_multi_api
+from session_gate.lab.engine.serve import start_proxy, stop
 
 SESSIONS = [f"dp-session-{i}" for i in range(6)]
 TURNS = 4
@@ -58,6 +59,12 @@ def complete(
         headers["x-session-id"] = session_id
     r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200, r.text
+    return served_rank(url, before)
+
+
+def served_rank(url: str, before: dict[int, float]) -> int:
+    """The rank whose ``vllm:request_success_total`` rose by the one request sent since
+    ``before`` was read."""
     deadline = time.monotonic() + 30
     while True:
         after = served_by_rank(url)
@@ -139,13 +146,67 @@ def test_finish_forgets_the_pin(url):
     assert after.get("forgotten", 0) == before.get("forgotten", 0) + 1
 
 
-def test_the_lease_doors_refuse_dp_with_a_clear_error(url):
-    """A lease door's call reaches every rank's gate and lease ids are per rank: refused (501,
-    naming why and what to use), never answered from one rank and released on another. The
-    middleware lets such requests pass ungated (the scheduler gates them)."""
-    body = {"session_id": "dp-lease", "token_ids": [1, 2, 3], "max_tokens": 4}
+def admit(url: str, session: str, client_id: str) -> dict:
+    body = {"session_id": session, "prompt": history(session, 0), "max_tokens": 4,
+            "client_id": client_id}  # fmt: skip
     r = httpx.post(f"{url}/session_gate/v1/admit", json=body, timeout=60)
-    assert r.status_code == 501, r.text
-    assert "data-parallel-size" in r.text and "SESSION_GATE_SCHEDULER" in r.text, r.text
-    r = httpx.post(f"{url}/session_gate/v1/release", json={"lease": 1}, timeout=60)
-    assert r.status_code == 501, r.text
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def leases_by_rank(url: str) -> list[int]:
+    return [rank["leases_active"] for rank in gate_stats(url)["ranks"]]
+
+
+def test_the_lease_doors_go_to_the_rank_of_the_session(url):
+    """Each rank has its own gate: an admit goes to the session's rank (pinning a new session
+    there), its lease id names that rank for the release, renew and cancel reach every rank."""
+    home = complete(url, history("leased", 0), "leased")
+    answer = admit(url, "leased", "dp-lease-client")
+    assert answer["rank"] == home and answer["lease"] % 2 == home, answer
+    held = leases_by_rank(url)
+    assert held[home] == 1 and held[1 - home] == 0, held
+    # A new session is pinned where its lease is: its turn runs there.
+    fresh = admit(url, "leased-new", "dp-lease-client")
+    assert complete(url, history("leased-new", 1), "leased-new") == fresh["rank"]
+    assert sum(leases_by_rank(url)) == 2
+    r = httpx.post(f"{url}/session_gate/v1/renew", json={"client_id": "dp-lease-client"})
+    assert r.status_code == 200 and r.json()["leases"] == 2, r.text
+    for a in (answer, fresh):
+        body = {"lease": a["lease"], "client_id": "dp-lease-client"}
+        r = httpx.post(f"{url}/session_gate/v1/release", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["released"] is True, r.text
+    assert leases_by_rank(url) == [0, 0]
+    r = httpx.post(f"{url}/session_gate/v1/cancel", json={"ticket": "never-issued"}, timeout=60)
+    assert r.status_code == 200 and r.json()["cancelled"] is False, r.text
+    r = httpx.post(f"{url}/session_gate/v1/release", json={"lease": "x"}, timeout=60)
+    assert r.status_code == 400, r.text
+
+
+def test_a_proxy_gating_at_the_engine_keeps_each_session_on_its_leases_rank(url, tmp_path):
+    """``session-gate proxy --gate-at engine`` in front of the DP server: the turn goes to the
+    rank whose gate admitted it (``X-data-parallel-rank``, since the proxy forwards it without
+    its session id), so a session's turns stay on one rank and each rank's gate admitted
+    exactly the turns it ran."""
+    proxy, proxy_url = start_proxy(proxy_binary(), url, tmp_path, ["--gate-at", "engine"])
+    sessions = [f"dp-proxied-{i}" for i in range(4)]
+    try:
+        admitted_before = [r["admissions_total"] for r in gate_stats(url)["ranks"]]
+        ranks: dict[str, list[int]] = {s: [] for s in sessions}
+        for turn in range(3):
+            for s in sessions:
+                before = served_by_rank(url)
+                body = {"model": "tiny", "prompt": history(s, turn), "max_tokens": 2}
+                r = httpx.post(f"{proxy_url}/sess/{s}/v1/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                ranks[s].append(served_rank(url, before))
+        assert all(len(set(r)) == 1 for r in ranks.values()), ranks
+        admitted = [
+            r["admissions_total"] - b
+            for r, b in zip(gate_stats(url)["ranks"], admitted_before, strict=True)
+        ]
+        on_rank = [sum(3 for r in ranks.values() if r[0] == k) for k in (0, 1)]
+        assert admitted == on_rank, (admitted, ranks)
+        assert set(r[0] for r in ranks.values()) == {0, 1}, ranks  # spread over both ranks
+    finally:
+        stop(proxy)

@@ -261,6 +261,56 @@ def _record(client: Any, state: _ClientPins, session_id: str, rank: int) -> None
     task.add_done_callback(state.tasks.discard)
 
 
+async def rank_for_lease(client: Any, session_id: str) -> int:
+    """The rank a lease door's admit for ``session_id`` goes to (``dp_leases``), pinned there so
+    that the turn's request follows it: the session's pin in this process; else, with several
+    API-server processes, the authority's; else the least-loaded rank by vLLM's own load view
+    (:func:`least_loaded`), recorded with the authority (awaited: the lease lands on the rank
+    it answers, which is another process's when that one pinned the session first)."""
+    state = _client_pins(client)
+    n = len(client.core_engines)
+    rank = state.pins.get(session_id)
+    if rank is None and state.shared:
+        rank = await _ask(client, state, session_id)
+        if rank is not None:
+            state.pins.counters["learned"] += 1
+    if rank is None or rank >= n:
+        rank = least_loaded(client, state)
+        state.pins.counters["lease_placed"] += 1
+        if state.shared:
+            try:
+                pinned = await client._call_utility_async(
+                    "session_gate_dp_pin", session_id, rank, engine=client.core_engines[0]
+                )
+            except Exception as exc:  # noqa: BLE001 - the local choice stands
+                _warn_once(state, exc)
+                pinned = rank
+            if isinstance(pinned, int) and 0 <= pinned < n:
+                rank = pinned
+    state.pins.set(session_id, rank)
+    return rank
+
+
+def least_loaded(client: Any, state: _ClientPins | None = None) -> int:
+    """The rank vLLM's balancer would think least loaded: the coordinator's waiting + running
+    (``lb_engines``) or this process's requests in flight there, whichever is more, as vLLM's
+    own ``get_core_engine_for_request`` reads them; ties go to the rank with the fewest
+    sessions pinned in this process (a burst of new sessions on idle ranks spreads), then the
+    lowest rank. Read only: vLLM's counters are not touched."""
+    engines = client.core_engines
+    counts = getattr(client, "lb_engines", None) or []
+    inflight = getattr(client, "engine_inflight", None) or {}
+    client_count = int(getattr(client, "client_count", 1))
+    pinned = Counter(state.pins._ranks.values()) if state is not None else Counter()
+
+    def load(rank: int) -> tuple[float, int, int]:
+        waiting_running = sum(counts[rank][:2]) if rank < len(counts) else 0
+        own = client_count * inflight.get(engines[rank], 0)
+        return (max(own, waiting_running), pinned[rank], rank)
+
+    return min(range(len(engines)), key=load)
+
+
 def _warn_once(state: _ClientPins, exc: BaseException) -> None:
     if not state.warned:
         state.warned = True

@@ -33,8 +33,9 @@ engine through its per-app state. Leases are held under this API-server process'
 renewed by a heartbeat, so if the process dies the engine frees them after ``lease_ttl_sec``
 (a lease bound to a request that reached the engine is freed when that request ends, sooner).
 Leases are bound only once the engine said it releases bound leases (the heartbeat's answer),
-and only on an engine without data parallelism (there each engine core has its own gate, and the
-admit's answer is the first engine's, while the request may run on another).
+and only on an engine without data parallelism. With it, each rank has its own gate: the admit
+goes to the session's rank and pins the session there (``dp_leases``), the request follows the
+pin, and this middleware releases the lease.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from session_gate.engine import gate_binding
 from session_gate.engine.gate_routes import DEFAULT_MAX_TOKENS, long_poll_admit
 from session_gate.engine.http_routes import (
     _STATE_ATTR,
-    DP_LEASE_DOORS,
     ProbeError,
     _token_ids,
     prompt_ids,
@@ -90,9 +90,6 @@ class SessionGateMiddleware:
         routes = getattr(scope["app"].state, _STATE_ATTR, None) if "app" in scope else None
         if routes is None:
             self._warn_once("routes", "the session_gate endpoint plugin is not loaded")
-            return await self.app(scope, receive, send)
-        if routes.several_engines:  # DP ranks: the scheduler mode gates there, not leases
-            self._warn_once("dp", f"requests pass ungated: {DP_LEASE_DOORS}")
             return await self.app(scope, receive, send)
         body = await _read_body(receive)
         if body is None:  # the client left before sending its body

@@ -50,7 +50,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from session_gate.engine import auth
+from session_gate.engine import auth, dp_leases
 from session_gate.engine.gate_driver import BAD_GATE_INPUT
 from session_gate.probes import pack_token_ids
 
@@ -101,13 +101,6 @@ def _engine_failure(exc: BaseException) -> ProbeError:
 LEASE_METHODS = frozenset(
     ("session_gate_admit", "session_gate_release", "session_gate_cancel", "session_gate_renew")
 )
-#: Why the lease doors refuse a server whose client fans out to several engine cores.
-DP_LEASE_DOORS = (
-    "the engine gate's lease doors (admit, release, cancel, renew) cannot serve vllm serve "
-    "--data-parallel-size > 1 with vLLM's internal load balancing: each DP rank has its own "
-    "gate and a call reaches all of them; use SESSION_GATE_SCHEDULER=session-id, whose "
-    "sessions are pinned to one rank"
-)
 
 
 class _Routes:
@@ -122,8 +115,8 @@ class _Routes:
     @property
     def several_engines(self) -> bool:
         """Whether this server's engine client fans a utility call out to several engine cores
-        (DP with internal load balancing): lease ids are per core, so a lease door's answer
-        from one core and its release on all of them would mix sessions up."""
+        (DP with internal load balancing): each has its own gate, so the lease doors go to the
+        rank a call is about (``dp_leases``) and the stats ask every rank."""
         core = getattr(self.engine_client, "engine_core", None)
         return len(getattr(core, "core_engines", None) or ()) > 1
 
@@ -131,9 +124,9 @@ class _Routes:
         client = self.engine_client
         if client is None or not hasattr(client, "engine_core"):
             raise ProbeError(503, "this vLLM server has no engine to probe")
-        if method in LEASE_METHODS and self.several_engines:
-            raise ProbeError(501, DP_LEASE_DOORS)
         try:
+            if method in LEASE_METHODS and self.several_engines:
+                return await dp_leases.call(client.engine_core, method, *args)
             return await client.engine_core.call_utility_async(method, *args)
         except ProbeError:
             raise

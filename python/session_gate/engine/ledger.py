@@ -252,7 +252,10 @@ LEDGER: tuple[Patch, ...] = (
         "turn is placed by vLLM's balancer and its engine's index becomes the pin. With several "
         "API-server processes (client_count > 1), add_request_async first asks the first engine "
         "core for a pin this process lacks (_call_utility_async, one round trip); "
-        "call_utility_async forgets the pin after a session_gate_finish. Nothing else changes: "
+        "call_utility_async forgets the pin after a session_gate_finish. The engine gate's lease "
+        "doors (dp_leases) call one rank's gate with _call_utility_async: an admit goes to the "
+        "session's pin, or to the least-loaded rank read from lb_engines and engine_inflight "
+        "(read, never written), and pins it there. Nothing else changes: "
         "other requests cost one attribute read and a type test",
         why="vLLM's balancer sends each request to the least-loaded core, so one session's turns "
         "scatter across the DP ranks' caches; data_parallel_rank is vLLM's own way to pin a "
@@ -267,6 +270,8 @@ LEDGER: tuple[Patch, ...] = (
             "vllm.v1.engine.core_client:DPLBAsyncMPClient#client_count",
             "vllm.v1.engine.core_client:MPClient#core_engines",
             "vllm.v1.engine.core_client:AsyncMPClient._call_utility_async",
+            "vllm.v1.engine.core_client:DPAsyncMPClient#lb_engines",
+            "vllm.v1.engine.core_client:DPLBAsyncMPClient#engine_inflight",
             "vllm.v1.engine:EngineCoreRequest.data_parallel_rank",
             "vllm.v1.engine:EngineCoreRequest.session_id",
             "vllm.v1.engine:EngineCoreRequest.pooling_params",
