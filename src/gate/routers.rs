@@ -295,7 +295,10 @@ impl Sticky {
     /// fewest sessions, so a burst spreads.
     fn least_loaded(snap: &Snapshot<'_>) -> Option<usize> {
         argmin(snap.views, |r| {
-            (snap.load.get(r).copied().unwrap_or(0), snap.views[r].sessions)
+            (
+                snap.load.get(r).copied().unwrap_or(0),
+                snap.views[r].sessions,
+            )
         })
     }
 }
