@@ -198,3 +198,22 @@ fn a_replicas_file_adds_to_the_flags_and_a_bad_line_is_named() {
     std::fs::remove_file(&path).unwrap();
     assert_eq!(field_of(ProxyConfig::from_toml(&a, "")), "replicas_file");
 }
+
+#[test]
+fn placement_is_gate_unless_told_and_an_unknown_one_is_named() {
+    use session_gate::gate::routers::Router;
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "").unwrap();
+    assert_eq!(c.placement, Router::Gate);
+    let c = ProxyConfig::from_toml(&args(&["http://a:1"]), "placement = \"hash\"").unwrap();
+    assert_eq!(c.placement, Router::Hash);
+    let mut a = args(&["http://a:1"]);
+    a.placement = Some("sticky-least-loaded".into());
+    let c = ProxyConfig::from_toml(&a, "placement = \"hash\"").unwrap();
+    assert_eq!(c.placement, Router::StickyLeastLoaded, "the flag wins");
+    a.placement = Some("cache-aware".into());
+    let e = ProxyConfig::from_toml(&a, "").unwrap_err();
+    assert_eq!(e.field, "placement");
+    assert!(e.message.contains("hash, sticky-least-loaded, gate"), "{e}");
+    let e = ProxyConfig::from_toml(&args(&["http://a:1"]), "placement = 3").unwrap_err();
+    assert_eq!(e.field, "placement");
+}

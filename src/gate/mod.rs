@@ -13,6 +13,7 @@ pub mod knobs;
 mod ledger;
 pub mod metrics;
 pub mod placement;
+pub mod routers;
 mod session;
 pub mod testing;
 pub mod types;

@@ -86,6 +86,10 @@ pub enum PlaceReason {
     SlowMove,
     /// Its home is down (lost, unhealthy): moved.
     DownMove,
+    /// A session this proxy had not seen, found resident on one replica (placed there by
+    /// another proxy, or by this one before a restart): it stays there. Decided by the
+    /// proxy before the policy (`crate::proxy::placing::find_home`), never by [`Placement`].
+    Found,
 }
 
 impl PlaceReason {
@@ -98,6 +102,7 @@ impl PlaceReason {
             Self::ColdMove => "cold_move",
             Self::SlowMove => "slow_move",
             Self::DownMove => "down_move",
+            Self::Found => "found",
         }
     }
 
@@ -124,6 +129,8 @@ pub struct PlacementStats {
     pub slow_move: u64,
     /// Sessions moved off a down replica.
     pub down_move: u64,
+    /// Sessions not seen before, found resident on one replica (see [`PlaceReason::Found`]).
+    pub found: u64,
 }
 
 impl PlacementStats {
@@ -135,6 +142,7 @@ impl PlacementStats {
             PlaceReason::ColdMove => &mut self.cold_move,
             PlaceReason::SlowMove => &mut self.slow_move,
             PlaceReason::DownMove => &mut self.down_move,
+            PlaceReason::Found => &mut self.found,
         };
         *slot += 1;
     }
@@ -145,7 +153,7 @@ impl PlacementStats {
     }
 
     /// `(label, count)` pairs, in a fixed order.
-    pub fn by_reason(&self) -> [(&'static str, u64); 7] {
+    pub fn by_reason(&self) -> [(&'static str, u64); 8] {
         [
             ("new", self.new),
             ("held", self.held),
@@ -154,6 +162,7 @@ impl PlacementStats {
             ("cold_move", self.cold_move),
             ("slow_move", self.slow_move),
             ("down_move", self.down_move),
+            ("found", self.found),
         ]
     }
 }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use serde::Deserialize;
 
+use crate::gate::routers::Router;
 use crate::gate::{GateConfig, Pressure};
 
 /// Default listen address: loopback only, so nothing is exposed unless asked for.
@@ -139,9 +140,21 @@ pub struct ProxyArgs {
     /// Where sessions are gated: `proxy` (a gate per replica in this process) or `engine` (the
     /// replica's own engine gate, through its /session_gate/v1/admit routes, shared with every
     /// other client of that replica; the gate knobs are then the engine's SESSION_GATE_*)
-    /// [default: proxy].
+    /// [default: proxy]. Two proxies in front of the same replicas need `engine`: with
+    /// `proxy` each one commits a replica's blocks alone, and together they can commit it
+    /// past its line.
     #[arg(long, value_name = "WHERE")]
     pub gate_at: Option<String>,
+
+    /// Where a session goes: `gate` (where it would be admitted soonest; a returning session
+    /// stays while its prefix is resident), `sticky-least-loaded` (the replica with the fewest
+    /// requests of this proxy in flight or waiting at its first turn, then for good) or `hash`
+    /// (consistent hashing on the session id, as vllm-router's consistent_hash). Under `gate`
+    /// and `sticky-least-loaded`, a session this proxy has not seen is looked for on the
+    /// replicas (prefix probes), so that two proxies, or one restarted, keep it where its
+    /// prefix is [default: gate].
+    #[arg(long, value_name = "POLICY")]
+    pub placement: Option<String>,
 }
 
 /// The TOML file: the same settings as the flags (`deny_unknown_fields`, so typos are named).
@@ -171,6 +184,7 @@ struct FileConfig {
     api_key: Option<String>,
     replica_api_key: Option<String>,
     gate_at: Option<String>,
+    placement: Option<String>,
 }
 
 /// A configuration error; the message names the field.
@@ -249,6 +263,8 @@ pub struct ProxyConfig {
     pub replica_authorization: Option<String>,
     /// Where sessions are gated.
     pub gate_at: GateAt,
+    /// Where sessions go.
+    pub placement: Router,
 }
 
 /// Where `session-gate proxy` gates sessions.
@@ -521,6 +537,18 @@ impl ProxyConfig {
             gate_at: match args.gate_at.clone().or(file.gate_at) {
                 Some(name) => GateAt::from_name(&name)?,
                 None => GateAt::Proxy,
+            },
+            placement: match args.placement.clone().or(file.placement) {
+                Some(name) => Router::from_name(&name).ok_or_else(|| {
+                    err(
+                        "placement",
+                        format!(
+                            "{name:?} is not a placement policy: expected one of {}",
+                            Router::NAMES.join(", ")
+                        ),
+                    )
+                })?,
+                None => Router::Gate,
             },
         })
     }

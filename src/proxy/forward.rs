@@ -30,10 +30,11 @@ use super::metrics::Outcome;
 use super::placing;
 use super::placing::Grade;
 use super::replica_gate::{AdmitError, ReplicaLease};
-use super::replicas::{self, Awaiting, Health, Placing, Replica, Route};
+use super::replicas::{self, Awaiting, Health, InFlight, Placing, Replica, Route};
 use super::upstream::{self, is_hop_header, never_sent, post_request};
 use crate::gate::Probe;
 use crate::gate::placement::{self, PlaceReason};
+use crate::gate::routers::Router;
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
 const CHAT_TOKENIZE_KEYS: [&str; 8] = [
@@ -413,7 +414,8 @@ async fn tokenize(proxy: &Arc<Proxy>, index: usize, t: Turn<'_>) -> Result<Vec<u
     }
 }
 
-/// Where this turn goes, by the placement policy ([`Replicas::place`]). A new session that no
+/// Where this turn goes, by the placement policy ([`Replicas::place`]). A session this proxy
+/// has not seen is first looked for on the replicas ([`find_home`]). A new session that no
 /// replica would take now (each has its backlog of new sessions waiting) is held here and asked
 /// about again when a turn is admitted or finishes, a replica's health or the list changes, or
 /// every `wait_poll_sec`; held `max_wait_sec` (the gate's), it goes where it would go were no
@@ -421,7 +423,11 @@ async fn tokenize(proxy: &Arc<Proxy>, index: usize, t: Turn<'_>) -> Result<Vec<u
 async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Option<Route> {
     let gate = &proxy.config.gate;
     let max_tokens = t.max_tokens.unwrap_or(gate.default_max_tokens);
-    let view = placing::session_view(prompt_ids.len(), max_tokens, proxy.replicas.block_size());
+    let mut view = placing::session_view(prompt_ids.len(), max_tokens, proxy.replicas.block_size());
+    let found = find_home(proxy, t.session, prompt_ids, view.prompt_blocks).await;
+    if let Some((placing::Lookup::New { shared_blocks }, _)) = &found {
+        view.shared_blocks = (*shared_blocks).min(view.prompt_blocks);
+    }
     let poll = Duration::from_secs_f64(gate.wait_poll_sec);
     let deadline = gate
         .max_wait_sec
@@ -432,7 +438,11 @@ async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Opti
         changed.as_mut().enable();
         let home_hit = home_hit(proxy, t.session, prompt_ids, &view).await;
         let past = deadline.is_some_and(|d| Instant::now() >= d);
-        match proxy.replicas.place(t.session, &view, home_hit, past) {
+        let lookup = found.as_ref().map(|(l, hits)| (*l, &hits[..]));
+        match proxy
+            .replicas
+            .place(t.session, &view, home_hit, lookup, past)
+        {
             Placing::Route(route) => return Some(route),
             Placing::NoReplica => return None,
             Placing::Hold => {
@@ -443,6 +453,46 @@ async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Opti
             }
         }
     }
+}
+
+/// What the replicas say of a session this proxy has not seen (`None` when it has, when fewer
+/// than two replicas are up, or under `hash`, which every proxy computes alike): every up
+/// replica's prefix probe is asked for the prompt at once, each bounded by
+/// `probe_timeout_sec`; the hits (per replica index, `None` for one down or silent) and what
+/// [`placing::find_home`] makes of them.
+async fn find_home(
+    proxy: &Proxy,
+    session: &str,
+    prompt_ids: &[u32],
+    prompt_blocks: u64,
+) -> Option<(placing::Lookup, Vec<Option<u64>>)> {
+    if proxy.replicas.policy() == Router::Hash || proxy.replicas.session_replica(session).is_some()
+    {
+        return None;
+    }
+    let list = proxy.replicas.snapshot();
+    let up: Vec<usize> = (0..list.len())
+        .filter(|&i| list[i].grade() != Grade::Down)
+        .collect();
+    if up.len() < 2 {
+        return None;
+    }
+    let timeout = Duration::from_secs_f64(proxy.config.gate.probe_timeout_sec);
+    let asked = up.iter().map(|&i| {
+        let replica = list[i].clone();
+        async move {
+            let answer = tokio::time::timeout(timeout, replica.probe.prefix(session, prompt_ids));
+            match answer.await {
+                Ok(Ok(report)) => (i, Some(report.hit_blocks)),
+                _ => (i, None),
+            }
+        }
+    });
+    let mut hits = vec![None; list.len()];
+    for (i, hit) in futures_util::future::join_all(asked).await {
+        hits[i] = hit;
+    }
+    Some((placing::find_home(&hits, prompt_blocks), hits))
 }
 
 /// The prompt blocks of a returning session resident on its home: all of them while its gate
@@ -814,6 +864,7 @@ async fn forward(
     };
     let mut guard = Guard {
         proxy: proxy.clone(),
+        _in_flight: replica.in_flight(),
         replica: replica.clone(),
         route: kind.route(),
         status: 502,
@@ -879,6 +930,8 @@ async fn gone(proxy: &Proxy, replica: &Replica) -> bool {
 /// Releases the lease and records the request, exactly once, however the answer ends.
 struct Guard {
     proxy: Arc<Proxy>,
+    /// Counts the request in the replica's load until the answer is dropped.
+    _in_flight: InFlight,
     replica: Arc<Replica>,
     route: &'static str,
     status: u16,
@@ -1043,14 +1096,17 @@ mod tests {
     fn backlog(proxy: &Proxy) -> Vec<Awaiting> {
         let turn = placing::session_view(64, 16, 16);
         (0..4)
-            .map(
-                |k| match proxy.replicas.place(&format!("w{k}"), &turn, 0, false) {
+            .map(|k| {
+                match proxy
+                    .replicas
+                    .place(&format!("w{k}"), &turn, 0, None, false)
+                {
                     Placing::Route(route) => {
                         proxy.replicas.get(route.index).awaiting_admission(true)
                     }
                     other => panic!("w{k}: {other:?}"),
-                },
-            )
+                }
+            })
             .collect()
     }
 

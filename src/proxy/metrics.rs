@@ -189,11 +189,19 @@ impl ProxyMetrics {
         );
         let _ = writeln!(out, "# TYPE {name} counter");
         let _ = writeln!(out, "{name} {}", replicas.list_changes());
+        let name = "session_gate_proxy_placement_info";
+        let _ = writeln!(
+            out,
+            "# HELP {name} The placement policy this proxy runs (--placement): gate, sticky-least-loaded or hash."
+        );
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let policy = replicas.policy().as_str();
+        let _ = writeln!(out, "{name}{{policy=\"{policy}\"}} 1");
         let (placements, hold_timeouts) = replicas.placement_stats();
         let name = "session_gate_proxy_placements_total";
         let _ = writeln!(
             out,
-            "# HELP {name} Placement decisions by reason: new, held (a new session no replica would take yet; each ask counts), resident, cold_stay, cold_move, slow_move, down_move."
+            "# HELP {name} Placement decisions by reason: new, held (a new session no replica would take yet; each ask counts), resident, cold_stay, cold_move, slow_move, down_move, found (a session this proxy had not seen, found resident on one replica)."
         );
         let _ = writeln!(out, "# TYPE {name} counter");
         for (reason, n) in placements.by_reason() {
@@ -367,5 +375,27 @@ mod tests {
             "# HELP x_total X.\n# TYPE x_total counter\nx_total{replica=\"a\"} 1\nx_total{replica=\"b\"} 1\n\
              # HELP y Y.\n# TYPE y counter\ny{replica=\"a\",reason=\"open\"} 2\ny{replica=\"b\",reason=\"open\"} 2\n"
         );
+    }
+
+    #[tokio::test]
+    async fn the_policy_is_named_and_every_reason_is_listed() {
+        use crate::proxy::config::{ProxyArgs, ProxyConfig};
+        let args = ProxyArgs {
+            replicas: vec!["http://127.0.0.1:9".into()],
+            placement: Some("sticky-least-loaded".into()),
+            ..Default::default()
+        };
+        let config = ProxyConfig::from_toml(&args, "").unwrap();
+        let client = super::super::upstream::client(std::time::Duration::from_secs(1));
+        let replicas = Replicas::new(&config, &client).unwrap();
+        let out = ProxyMetrics::new(8).render(&replicas);
+        assert!(
+            out.contains("session_gate_proxy_placement_info{policy=\"sticky-least-loaded\"} 1\n"),
+            "{out}"
+        );
+        for reason in ["new", "held", "resident", "cold_move", "down_move", "found"] {
+            let line = format!("session_gate_proxy_placements_total{{reason=\"{reason}\"}} 0\n");
+            assert!(out.contains(&line), "{line} missing");
+        }
     }
 }

@@ -19,8 +19,12 @@
 //!   when the gate runs in the proxy; with `--gate-at engine` other clients' waiting turns are
 //!   not seen (the engine gate's stats are not read per decision; a round trip per turn).
 //! - **Prompt**: its full blocks and the blocks its output may add. Which leading blocks are
-//!   shared with other sessions is not known to the proxy: `shared_blocks` is 0, so a new
-//!   session is not drawn to where a system prompt is resident.
+//!   shared with other sessions is known only for a session the proxy has not seen and looked
+//!   for on every up replica ([`find_home`]): the blocks resident on all of them.
+//! - **Sessions of other proxies**: a session this proxy has not seen may be a returning one
+//!   that another proxy (or this one before a restart) placed. [`find_home`] reads the
+//!   replicas' prefix probes for its prompt: one replica holding clearly more of it is its
+//!   home.
 use crate::gate::UsageReport;
 use crate::gate::placement::{ReplicaView, SessionView};
 
@@ -96,6 +100,61 @@ pub fn session_view(prompt_tokens: usize, max_tokens: usize, block_size: u64) ->
         0,
         block_size.max(1),
     )
+}
+
+/// What the replicas' prefix probes say of a session this proxy has not seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Its prefix is resident on this replica, clearly more than on any other: it is a
+    /// returning session, and stays there.
+    Home(usize),
+    /// A new session; `shared_blocks` of its prompt are resident on every replica that
+    /// answered (a shared system prompt).
+    New {
+        /// The smallest hit of the replicas that answered.
+        shared_blocks: u64,
+    },
+}
+
+/// Fraction of its prompt blocks a session must have resident on one replica to be taken for a
+/// returning one (the policy's `resident_fraction`): a hit only one block larger than every
+/// other replica's can be a system prompt that only one replica has served yet, and sending
+/// every new session there would pile them on it.
+pub const FOUND_FRACTION: f64 = 0.5;
+
+/// Where a session this proxy has not seen lives, from `hits`: per up replica, the leading
+/// blocks of its prompt (`prompt_blocks` full blocks) resident there, `None` when its probe did
+/// not answer. Its home is the replica whose hit exceeds every other answer by at least one
+/// block and covers at least [`FOUND_FRACTION`] of the prompt; with fewer than two answers
+/// nothing can be told apart, and the session is new with nothing known to be shared.
+pub fn find_home(hits: &[Option<u64>], prompt_blocks: u64) -> Lookup {
+    let answers: Vec<(usize, u64)> = hits
+        .iter()
+        .enumerate()
+        .filter_map(|(r, h)| h.map(|h| (r, h)))
+        .collect();
+    if answers.len() < 2 {
+        return Lookup::New { shared_blocks: 0 };
+    }
+    let shared_blocks = answers.iter().map(|&(_, h)| h).min().unwrap_or(0);
+    let (top, top_hit) = answers
+        .iter()
+        .copied()
+        .max_by_key(|&(r, h)| (h, std::cmp::Reverse(r)))
+        .unwrap_or((0, 0));
+    let runner_up = answers
+        .iter()
+        .filter(|&&(r, _)| r != top)
+        .map(|&(_, h)| h)
+        .max()
+        .unwrap_or(0);
+    let clear = top_hit > runner_up;
+    let enough = top_hit as f64 >= FOUND_FRACTION * prompt_blocks as f64;
+    if clear && enough {
+        Lookup::Home(top)
+    } else {
+        Lookup::New { shared_blocks }
+    }
 }
 
 #[cfg(test)]
@@ -190,5 +249,47 @@ mod tests {
             0,
             "block size 0 is taken as 1"
         );
+    }
+
+    #[test]
+    fn a_session_clearly_resident_on_one_replica_is_found_there() {
+        // Prompt of 20 blocks; 15 resident on replica 1, the 2-block system prompt elsewhere.
+        assert_eq!(
+            find_home(&[Some(2), Some(15), Some(2)], 20),
+            Lookup::Home(1)
+        );
+        // One block more than every other is enough.
+        assert_eq!(find_home(&[Some(11), Some(10)], 20), Lookup::Home(0));
+        // A replica whose probe did not answer is left out, not counted as a miss.
+        assert_eq!(find_home(&[None, Some(2), Some(15)], 20), Lookup::Home(2));
+    }
+
+    #[test]
+    fn a_tie_or_a_small_hit_is_a_new_session_sharing_the_common_hit() {
+        // Tied at the top: nothing tells the replicas apart; 2 blocks are on every one.
+        assert_eq!(
+            find_home(&[Some(12), Some(12), Some(2)], 20),
+            Lookup::New { shared_blocks: 2 }
+        );
+        // The system prompt served by one replica only: not a returning session.
+        assert_eq!(
+            find_home(&[Some(4), Some(0)], 20),
+            Lookup::New { shared_blocks: 0 }
+        );
+        // Nothing anywhere.
+        assert_eq!(
+            find_home(&[Some(0), Some(0)], 20),
+            Lookup::New { shared_blocks: 0 }
+        );
+    }
+
+    #[test]
+    fn fewer_than_two_answers_tell_nothing() {
+        assert_eq!(find_home(&[Some(18)], 20), Lookup::New { shared_blocks: 0 });
+        assert_eq!(
+            find_home(&[Some(18), None], 20),
+            Lookup::New { shared_blocks: 0 }
+        );
+        assert_eq!(find_home(&[], 20), Lookup::New { shared_blocks: 0 });
     }
 }

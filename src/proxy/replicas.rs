@@ -1,9 +1,13 @@
 //! Replicas, their health, and where each session's turns go.
 //!
 //! Each replica owns one [`Gate`] over its own [`HttpProbe`]. Where a turn goes is decided by
-//! the sans-IO placement policy ([`crate::gate::placement`], the code the twin's fleet drives),
-//! over the views [`placing`](super::placing) builds from what the proxy knows: health, usage
-//! answers, its gates' commitments, sessions and turns waiting per replica. A new session goes
+//! the policy `--placement` names ([`crate::gate::routers`]: `gate`, `hash` or
+//! `sticky-least-loaded`, the code the twin's fleet drives), over the views
+//! [`placing`](super::placing) builds from what the proxy knows: health, usage answers, its
+//! gates' commitments, sessions and turns waiting per replica, and the requests it has in
+//! flight or waiting on each (the routers' load). A session this proxy has not seen but the
+//! replicas' prefix probes found on one of them ([`placing::find_home`]) goes there, counted
+//! `found`, whatever the policy. Under `gate`, a new session goes
 //! where it would be admitted soonest, or is held (late binding) while every replica has its
 //! backlog of new sessions; a returning session stays home while its prefix is resident there,
 //! and moves when it is cold and another replica would admit it sooner, or when its home is
@@ -31,12 +35,11 @@ use tokio::sync::Notify;
 
 use super::config::{ProxyConfig, ReplicaUrl};
 use super::http_probe::HttpProbe;
-use super::placing::{self, Grade, ReplicaFacts};
+use super::placing::{self, Grade, Lookup, ReplicaFacts};
 use super::upstream::Client;
 use super::usage_cache::CachedProbe;
-use crate::gate::placement::{
-    PlaceReason, Placement, PlacementConfig, PlacementStats, ReplicaView, SessionView,
-};
+use crate::gate::placement::{PlaceReason, Placed, PlacementStats, ReplicaView, SessionView};
+use crate::gate::routers::{self, Router, Snapshot};
 use crate::gate::{Gate, Probe};
 
 /// One `vllm serve` replica.
@@ -58,6 +61,8 @@ pub struct Replica {
     queued: AtomicU32,
     /// New sessions placed here whose first turn is not admitted yet.
     new_waiting: AtomicU32,
+    /// Requests of this proxy sent here whose answer has not ended.
+    in_flight: AtomicU32,
     /// Told of every change placement may be waiting for (shared by all replicas).
     changed: Arc<Notify>,
 }
@@ -139,6 +144,19 @@ impl Replica {
         }
     }
 
+    /// Requests of this proxy waiting for admission or in flight here (the routers' load).
+    pub fn load(&self) -> u32 {
+        self.queued.load(Ordering::Relaxed) + self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request in flight here until the returned guard is dropped.
+    pub fn in_flight(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        InFlight {
+            replica: self.clone(),
+        }
+    }
+
     /// Counts a turn waiting for admission here until the returned guard is dropped (`new`:
     /// the first turn of a session placed here).
     pub fn awaiting_admission(self: &Arc<Self>, new: bool) -> Awaiting {
@@ -172,6 +190,21 @@ impl Drop for Awaiting {
     }
 }
 
+/// A request in flight on a replica (see [`Replica::in_flight`]).
+#[derive(Debug)]
+pub struct InFlight {
+    replica: Arc<Replica>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let _ = self
+            .replica
+            .in_flight
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+}
+
 #[derive(Debug)]
 struct Sticky {
     replica: usize,
@@ -186,7 +219,9 @@ struct Placer {
     sessions: HashMap<String, Sticky>,
     /// Sessions per replica index.
     pinned: Vec<u32>,
-    placement: Placement,
+    placement: Box<dyn routers::Placer>,
+    /// Sessions not seen before, found resident on a replica ([`PlaceReason::Found`]).
+    found: u64,
     /// New sessions placed past the backlogs because they were held for `max_wait_sec`.
     hold_timeouts: u64,
 }
@@ -254,7 +289,8 @@ impl Replicas {
             placer: Mutex::new(Placer {
                 sessions: HashMap::new(),
                 pinned: vec![0; n],
-                placement: Placement::new(PlacementConfig::default()),
+                placement: config.placement.build(n),
+                found: 0,
                 hold_timeouts: 0,
             }),
             next_ungated: Default::default(),
@@ -341,7 +377,9 @@ impl Replicas {
                 }
             }
             let n = list.len();
-            self.placer().pinned.resize(n, 0);
+            let mut placer = self.placer();
+            placer.pinned.resize(n, 0);
+            placer.placement.grow(n);
         }
         if added + unlisted > 0 {
             self.list_changes.fetch_add(1, Ordering::Relaxed);
@@ -376,24 +414,58 @@ impl Replicas {
             .unwrap_or(placing::DEFAULT_BLOCK_SIZE)
     }
 
+    /// The placement policy this proxy runs.
+    pub fn policy(&self) -> Router {
+        self.config.placement
+    }
+
     /// Places this turn of `session` (`turn`: its blocks; `home_hit`: its prompt blocks resident
-    /// on its home, when it has one). `ignore_backlog`: a new session held long enough goes
-    /// where it would go if no replica had new sessions waiting.
+    /// on its home, when it has one; `lookup`: what the replicas' prefix probes said of a
+    /// session this proxy has not seen, with `hits` per replica). `ignore_backlog`: a new
+    /// session held long enough goes where it would go if no replica had new sessions waiting.
     pub fn place(
         &self,
         session_id: &str,
         turn: &SessionView,
         home_hit: u64,
+        lookup: Option<(Lookup, &[Option<u64>])>,
         ignore_backlog: bool,
     ) -> Placing {
         let list = self.snapshot();
         let mut placer = self.placer();
         placer.pinned.resize(list.len(), 0);
         let views = Self::views(&list, &placer.pinned, ignore_backlog);
+        let load: Vec<u32> = list.iter().map(|r| r.load()).collect();
+        let snap = Snapshot {
+            views: &views,
+            load: &load,
+            tokens: &[],
+            capacity_tokens: &[],
+        };
+        let routed = routers::Turn {
+            session_id,
+            session: 0,
+            prompt_tokens: 0,
+            system_tokens: 0,
+            view: *turn,
+        };
         let home = placer.sessions.get(session_id).map(|s| s.replica);
-        let placed = match home {
-            None => placer.placement.place_new(&views, turn, |_| 0),
-            Some(h) => placer.placement.place_returning(&views, turn, h, home_hit),
+        let placed = match (home, lookup) {
+            (None, Some((Lookup::Home(r), _))) if views.get(r).is_some_and(|v| v.up) => {
+                placer.found += 1;
+                Some(Placed {
+                    replica: r,
+                    reason: PlaceReason::Found,
+                })
+            }
+            (None, lookup) => {
+                let hits = lookup.map_or(&[][..], |(_, hits)| hits);
+                let mut shared_hit = |r: usize| hits.get(r).copied().flatten().unwrap_or(0);
+                placer.placement.place_new(&snap, &routed, &mut shared_hit)
+            }
+            (Some(h), _) => placer
+                .placement
+                .place_returning(&snap, &routed, h, &mut || home_hit),
         };
         let Some(placed) = placed else {
             return if home.is_none() && views.iter().any(|v| v.up) {
@@ -440,7 +512,11 @@ impl Replicas {
     /// backlogs after `max_wait_sec`.
     pub fn placement_stats(&self) -> (PlacementStats, u64) {
         let placer = self.placer();
-        (placer.placement.stats(), placer.hold_timeouts)
+        let stats = PlacementStats {
+            found: placer.found,
+            ..placer.placement.stats()
+        };
+        (stats, placer.hold_timeouts)
     }
 
     /// The replica a session is placed on, if any.
@@ -539,6 +615,7 @@ fn build(
         listed: AtomicBool::new(true),
         queued: AtomicU32::new(0),
         new_waiting: AtomicU32::new(0),
+        in_flight: AtomicU32::new(0),
         changed: changed.clone(),
     })
 }
@@ -595,10 +672,15 @@ mod tests {
     use crate::proxy::config::{ProxyArgs, ProxyConfig, parse_replica};
 
     fn replicas(n: usize) -> Replicas {
+        replicas_with(n, "gate")
+    }
+
+    fn replicas_with(n: usize, placement: &str) -> Replicas {
         let args = ProxyArgs {
             replicas: (0..n)
                 .map(|i| format!("http://127.0.0.1:{}", 9 + i))
                 .collect(),
+            placement: Some(placement.into()),
             ..Default::default()
         };
         let config = ProxyConfig::from_toml(&args, "").unwrap();
@@ -612,7 +694,7 @@ mod tests {
 
     /// Places a turn and, as the proxy does once the gate answered, ends its admission wait.
     fn route(r: &Replicas, session: &str, home_hit: u64) -> Option<Route> {
-        match r.place(session, &turn(), home_hit, false) {
+        match r.place(session, &turn(), home_hit, None, false) {
             Placing::Route(route) => {
                 let replica = r.get(route.index);
                 drop(replica.awaiting_admission(route.reason == Some(PlaceReason::New)));
@@ -649,23 +731,26 @@ mod tests {
         // Two new sessions per replica waiting for their first admission (the default backlog).
         let mut waiting = Vec::new();
         for k in 0..4 {
-            let Placing::Route(route) = r.place(&format!("s{k}"), &turn(), 0, false) else {
+            let Placing::Route(route) = r.place(&format!("s{k}"), &turn(), 0, None, false) else {
                 panic!("s{k} not placed");
             };
             waiting.push(r.get(route.index).awaiting_admission(true));
         }
-        assert!(matches!(r.place("late", &turn(), 0, false), Placing::Hold));
+        assert!(matches!(
+            r.place("late", &turn(), 0, None, false),
+            Placing::Hold
+        ));
         assert_eq!(r.placement_stats().0.held, 1);
         // Held past max_wait: placed anyway, counted.
         assert!(matches!(
-            r.place("late", &turn(), 0, true),
+            r.place("late", &turn(), 0, None, true),
             Placing::Route(_)
         ));
         assert_eq!(r.placement_stats().1, 1);
         // One admitted: room in the backlog again.
         waiting.pop();
         assert!(matches!(
-            r.place("later", &turn(), 0, false),
+            r.place("later", &turn(), 0, None, false),
             Placing::Route(_)
         ));
     }
@@ -741,5 +826,86 @@ mod tests {
         assert_eq!(r.placer().pinned, vec![3, 1]);
         r.forget_session("a");
         assert_eq!(r.placer().pinned, vec![2, 1]);
+    }
+
+    #[tokio::test]
+    async fn a_session_found_on_a_replica_goes_there_and_then_returns_as_any_other() {
+        let r = replicas(3);
+        let hits = [Some(2), Some(2), Some(15)];
+        let lookup = placing::find_home(&hits, 20);
+        assert_eq!(lookup, Lookup::Home(2));
+        let Placing::Route(found) = r.place("x", &turn(), 0, Some((lookup, &hits)), false) else {
+            panic!("not placed");
+        };
+        assert_eq!(
+            (found.index, found.reason, found.moved_from),
+            (2, Some(PlaceReason::Found), None)
+        );
+        assert_eq!(r.session_replica("x"), Some(2));
+        let again = route(&r, "x", 20).unwrap();
+        assert_eq!(
+            (again.index, again.reason, again.turn),
+            (2, Some(PlaceReason::Resident), 2)
+        );
+        let (stats, _) = r.placement_stats();
+        assert_eq!((stats.found, stats.new, stats.resident), (1, 0, 1));
+        assert!(stats.by_reason().contains(&("found", 1)));
+        // Found on a replica that went down meanwhile: placed as new.
+        r.get(1).mark_unhealthy("test");
+        let hits = [Some(0), Some(15), Some(0)];
+        let lookup = placing::find_home(&hits, 20);
+        let Placing::Route(new) = r.place("y", &turn(), 0, Some((lookup, &hits)), false) else {
+            panic!("not placed");
+        };
+        assert_eq!(new.reason, Some(PlaceReason::New));
+        assert_ne!(new.index, 1);
+    }
+
+    #[tokio::test]
+    async fn hash_keeps_a_session_on_its_ring_replica_and_counts_reasons() {
+        let r = replicas_with(3, "hash");
+        assert_eq!(r.policy(), Router::Hash);
+        let mut homes = std::collections::HashSet::new();
+        for k in 0..30 {
+            let id = format!("s{k}");
+            let first = route(&r, &id, 0).unwrap();
+            let again = route(&r, &id, 0).unwrap();
+            assert_eq!(again.index, first.index);
+            assert_eq!(again.reason, Some(PlaceReason::Resident));
+            homes.insert(first.index);
+        }
+        assert_eq!(homes.len(), 3, "30 sessions hash onto every replica");
+        // Another proxy over the same list computes the same ring.
+        let other = replicas_with(3, "hash");
+        for k in 0..30 {
+            let id = format!("s{k}");
+            assert_eq!(
+                route(&other, &id, 0).unwrap().index,
+                r.session_replica(&id).unwrap()
+            );
+        }
+        let (stats, _) = r.placement_stats();
+        assert_eq!((stats.new, stats.resident), (30, 30));
+    }
+
+    #[tokio::test]
+    async fn sticky_least_loaded_goes_where_this_proxy_has_fewest_requests() {
+        let r = replicas_with(2, "sticky-least-loaded");
+        // Two requests in flight on replica 0, none on replica 1.
+        let busy = [r.get(0).in_flight(), r.get(0).in_flight()];
+        assert_eq!((r.get(0).load(), r.get(1).load()), (2, 0));
+        assert_eq!(route(&r, "a", 0).unwrap().index, 1);
+        // Replica 1 busier now: a stays, a new session goes to 0.
+        let more = [
+            r.get(1).in_flight(),
+            r.get(1).in_flight(),
+            r.get(1).in_flight(),
+        ];
+        assert_eq!(route(&r, "a", 0).unwrap().index, 1);
+        assert_eq!(route(&r, "b", 0).unwrap().index, 0);
+        drop((busy, more));
+        assert_eq!((r.get(0).load(), r.get(1).load()), (0, 0));
+        let (stats, _) = r.placement_stats();
+        assert_eq!((stats.new, stats.resident), (2, 1));
     }
 }

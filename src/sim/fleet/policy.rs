@@ -1,10 +1,8 @@
 //! The fleet's placement policies: ours ([`crate::gate::placement`]) and the routers people run,
 //! modelled from their published code and docs (read, not copied), all behind one [`Placer`].
+//! `hash`, `sticky-least-loaded` and `gate` are the proxy's own code ([`crate::gate::routers`]);
+//! the two here need facts only the twin has.
 //!
-//! - `hash`: vllm-router's `consistent_hash` — a ring of virtual nodes keyed by the session id;
-//!   a session always maps to the same replica; a lost replica's sessions go to the next node.
-//! - `sticky-least-loaded`: vllm-router's and prime-rl's sticky placement — a new session goes to
-//!   the replica with the fewest requests in flight or waiting, and stays there for good.
 //! - `cache-aware`: SGLang's (and vllm-router's) cache-aware router, per request. With
 //!   `load` = requests the router has in flight on a replica, the fleet is imbalanced when
 //!   `max − min > balance_abs_threshold` AND `max > balance_rel_threshold × min`; then the
@@ -21,56 +19,11 @@
 //!   with the most capacity left in counted tokens (`num_blocks × block_size` less the live
 //!   programs' tokens, `buffer_per_program` = 100 each, as in `crate::baselines::pause`); it
 //!   stays there (programs pause and resume in place).
-//! - `gate`: ours.
 //!
 //! A policy that has nowhere to put a session (every replica down) fails the run.
-use crate::gate::placement::{PlaceReason, Placed, Placement, PlacementStats, ReplicaView};
-use crate::gate::placement::{PlacementConfig, SessionView};
-
-/// The fleet's state as a policy reads it for one decision.
-pub(crate) struct Snapshot<'a> {
-    /// One view per replica.
-    pub views: &'a [ReplicaView],
-    /// Per replica: requests in flight or waiting (the routers' load).
-    pub load: &'a [u32],
-    /// Per replica: counted tokens of its live sessions (ThunderAgent's working set).
-    pub tokens: &'a [u64],
-    /// Per replica: KV capacity in tokens.
-    pub capacity_tokens: &'a [u64],
-}
-
-/// One session's turn as a policy reads it.
-pub(crate) struct Turn<'a> {
-    pub session_id: &'a str,
-    pub session: usize,
-    pub prompt_tokens: u64,
-    pub system_tokens: u64,
-    pub view: SessionView,
-}
-
-/// A placement policy in the fleet.
-pub(crate) trait Placer {
-    /// A new session: where, or `None` to hold it for now (only `gate` holds).
-    fn place_new(
-        &mut self,
-        snap: &Snapshot<'_>,
-        turn: &Turn<'_>,
-        shared_hit: &mut dyn FnMut(usize) -> u64,
-    ) -> Option<Placed>;
-
-    /// A returning session's next turn (`home_hit`: its prompt blocks resident at home, asked
-    /// lazily: hashing a long prompt costs).
-    fn place_returning(
-        &mut self,
-        snap: &Snapshot<'_>,
-        turn: &Turn<'_>,
-        home: usize,
-        home_hit: &mut dyn FnMut() -> u64,
-    ) -> Option<Placed>;
-
-    /// Decisions counted by reason.
-    fn stats(&self) -> PlacementStats;
-}
+use crate::gate::placement::{Placed, PlacementStats};
+pub(crate) use crate::gate::routers::{Placer, Snapshot, Turn};
+use crate::gate::routers::{Router, argmin, counted, placed_new, sticky_or};
 
 /// The policies by name, as `--placement` spells them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,201 +69,17 @@ impl PlacementKind {
 
     pub(crate) fn build(self, replicas: usize, sessions: usize) -> Box<dyn Placer> {
         match self {
-            Self::Hash => Box::new(HashRing::new(replicas)),
-            Self::StickyLeastLoaded => Box::new(Sticky::default()),
+            Self::Hash => Router::Hash.build(replicas),
+            Self::StickyLeastLoaded => Router::StickyLeastLoaded.build(replicas),
             Self::CacheAware => Box::new(CacheAware::new(replicas, sessions)),
             Self::Thunder => Box::new(Thunder::default()),
-            Self::Gate => Box::new(Placement::new(PlacementConfig::default())),
+            Self::Gate => Router::Gate.build(replicas),
         }
-    }
-}
-
-fn counted(stats: &mut PlacementStats, home: usize, to: usize, down: bool) -> Placed {
-    let reason = match (to == home, down) {
-        (true, _) => PlaceReason::Resident,
-        (false, true) => PlaceReason::DownMove,
-        (false, false) => PlaceReason::ColdMove,
-    };
-    match reason {
-        PlaceReason::Resident => stats.resident += 1,
-        PlaceReason::DownMove => stats.down_move += 1,
-        _ => stats.cold_move += 1,
-    }
-    Placed {
-        replica: to,
-        reason,
-    }
-}
-
-/// A new session placed on `replica`, counted.
-fn placed_new(stats: &mut PlacementStats, replica: usize) -> Placed {
-    stats.new += 1;
-    Placed {
-        replica,
-        reason: PlaceReason::New,
-    }
-}
-
-/// A returning session of a sticky policy: it stays home while home is up, else goes where
-/// `pick` says (counted either way).
-fn sticky_or(
-    stats: &mut PlacementStats,
-    snap: &Snapshot<'_>,
-    home: usize,
-    pick: impl FnOnce() -> Option<usize>,
-) -> Option<Placed> {
-    let down = !snap.views[home].up;
-    let to = if down { pick()? } else { home };
-    Some(counted(stats, home, to, down))
-}
-
-/// The up replica minimising `key`, lowest index on ties.
-fn argmin<K: PartialOrd>(views: &[ReplicaView], key: impl Fn(usize) -> K) -> Option<usize> {
-    let mut best: Option<(K, usize)> = None;
-    for (r, v) in views.iter().enumerate() {
-        if !v.up {
-            continue;
-        }
-        let k = key(r);
-        if best.as_ref().is_none_or(|(bk, _)| k < *bk) {
-            best = Some((k, r));
-        }
-    }
-    best.map(|(_, r)| r)
-}
-
-impl Placer for Placement {
-    fn place_new(
-        &mut self,
-        snap: &Snapshot<'_>,
-        turn: &Turn<'_>,
-        shared_hit: &mut dyn FnMut(usize) -> u64,
-    ) -> Option<Placed> {
-        Placement::place_new(self, snap.views, &turn.view, shared_hit)
-    }
-
-    fn place_returning(
-        &mut self,
-        snap: &Snapshot<'_>,
-        turn: &Turn<'_>,
-        home: usize,
-        home_hit: &mut dyn FnMut() -> u64,
-    ) -> Option<Placed> {
-        let hit = if snap.views[home].up { home_hit() } else { 0 };
-        Placement::place_returning(self, snap.views, &turn.view, home, hit)
-    }
-
-    fn stats(&self) -> PlacementStats {
-        Placement::stats(self)
-    }
-}
-
-/// SplitMix64's finaliser.
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-fn hash_str(s: &str) -> u64 {
-    s.bytes()
-        .fold(0xcbf2_9ce4_8422_2325, |h, b| mix64(h ^ u64::from(b)))
-}
-
-/// Consistent hashing: `VNODES` points per replica on a ring.
-struct HashRing {
-    ring: Vec<(u64, usize)>,
-    stats: PlacementStats,
-}
-
-/// Virtual nodes per replica (ketama's 160; enough that 16 replicas split the ring within a
-/// few percent).
-const VNODES: u64 = 160;
-
-impl HashRing {
-    fn new(replicas: usize) -> Self {
-        let mut ring: Vec<(u64, usize)> = (0..replicas)
-            .flat_map(|r| (0..VNODES).map(move |v| (mix64(((r as u64) << 32) | v), r)))
-            .collect();
-        ring.sort_unstable();
-        Self {
-            ring,
-            stats: PlacementStats::default(),
-        }
-    }
-
-    fn lookup(&self, views: &[ReplicaView], id: &str) -> Option<usize> {
-        let h = hash_str(id);
-        let start = self.ring.partition_point(|(p, _)| *p < h);
-        (0..self.ring.len())
-            .map(|i| self.ring[(start + i) % self.ring.len()].1)
-            .find(|&r| views[r].up)
-    }
-}
-
-impl Placer for HashRing {
-    fn place_new(
-        &mut self,
-        snap: &Snapshot<'_>,
-        turn: &Turn<'_>,
-        _: &mut dyn FnMut(usize) -> u64,
-    ) -> Option<Placed> {
-        let replica = self.lookup(snap.views, turn.session_id)?;
-        Some(placed_new(&mut self.stats, replica))
-    }
-
-    fn place_returning(
-        &mut self,
-        snap: &Snapshot<'_>,
-        turn: &Turn<'_>,
-        home: usize,
-        _: &mut dyn FnMut() -> u64,
-    ) -> Option<Placed> {
-        let to = self.lookup(snap.views, turn.session_id)?;
-        Some(counted(&mut self.stats, home, to, !snap.views[home].up))
-    }
-
-    fn stats(&self) -> PlacementStats {
-        self.stats
-    }
-}
-
-/// Least loaded at the first turn, sticky after.
-#[derive(Default)]
-struct Sticky {
-    stats: PlacementStats,
-}
-
-impl Placer for Sticky {
-    fn place_new(
-        &mut self,
-        snap: &Snapshot<'_>,
-        _: &Turn<'_>,
-        _: &mut dyn FnMut(usize) -> u64,
-    ) -> Option<Placed> {
-        // Ties (every replica idle at once) go to the fewest sessions, so a burst spreads.
-        let replica = argmin(snap.views, |r| (snap.load[r], snap.views[r].sessions))?;
-        Some(placed_new(&mut self.stats, replica))
-    }
-
-    fn place_returning(
-        &mut self,
-        snap: &Snapshot<'_>,
-        _: &Turn<'_>,
-        home: usize,
-        _: &mut dyn FnMut() -> u64,
-    ) -> Option<Placed> {
-        sticky_or(&mut self.stats, snap, home, || {
-            argmin(snap.views, |r| (snap.load[r], snap.views[r].sessions))
-        })
-    }
-
-    fn stats(&self) -> PlacementStats {
-        self.stats
     }
 }
 
 /// SGLang's cache-aware router (module docs).
+#[derive(Debug)]
 struct CacheAware {
     /// Per replica: whether the system prompt was ever sent there (in its tree).
     has_system: Vec<bool>,
@@ -397,7 +166,7 @@ impl Placer for CacheAware {
 }
 
 /// ThunderAgent's token-capacity placement (module docs).
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Thunder {
     stats: PlacementStats,
 }
