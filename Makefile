@@ -145,7 +145,7 @@ bench-sched-cost: setup
 soak: setup
 	$(PY) -m session_gate.lab.soak
 
-# Placement on a real fleet (about 15-25 minutes): two CPU vllm serve replicas with the plugin
+# Placement on a real fleet (about 10 minutes): two CPU vllm serve replicas with the plugin
 # (each replica's OpenMP threads on its own half of the cores), the default workload doubled
 # (32 sessions), through `session-gate proxy --placement hash|sticky-least-loaded|gate` (a gate
 # per replica) and with no gate (each session hashed straight to a replica); prefix caches reset

@@ -44,6 +44,7 @@ def test_bench_fleet_smoke():
         assert f["turns"] == sent and sum(f["turns_by_replica"]) == sent, (mode, f)
         assert 0 <= f["hit_rate"] <= f["ideal_hit_rate"] + 1e-9 <= 1 + 1e-9, (mode, f)
         assert f["ideal_hit_rate"] > 0 and len(f["rounds"]) == 1, (mode, f)
+        assert math.isfinite(f["replica_cpu_sec"]) and f["replica_cpu_sec"] > 0, (mode, f)
 
     gate = out["figures"]["gate"]
     decided = {k: v for k, v in gate["placements"].items() if k != "held"}

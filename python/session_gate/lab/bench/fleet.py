@@ -18,12 +18,12 @@ too), each with its OpenMP threads bound to its own half of this machine's cores
 caches are reset before each mode so no mode inherits another's warm cache. Rounds rotate the
 mode order (as ``bench.matrix`` does) and each figure is the median over ``--reps`` rounds.
 
-Printed: one table (makespan, hit rate, hit over ideal, turns per replica, placements by reason
-and moves from the proxy's ``/metrics``), then, last, one JSON line with every figure and the
-targets of issue 30: ``gate`` placement no slower than ``sticky-least-loaded`` or ``hash``, and
-its hit rate at least 0.95 x ideal. The ideal is the single-engine bench's (nothing evicted,
-each session at home), with the shared system prompt prefilled once on each replica that
-served turns (:func:`fleet_summary`).
+Printed: one table (makespan, the CPU seconds both replicas' processes used, hit rate, hit over
+ideal, turns per replica, placements by reason and moves from the proxy's ``/metrics``), then,
+last, one JSON line with every figure and the targets of issue 30: ``gate`` placement no slower
+than ``sticky-least-loaded`` or ``hash``, and its hit rate at least 0.95 x ideal. The ideal is
+the single-engine bench's (nothing evicted, each session at home), with the shared system
+prompt prefilled once on each replica that served turns (:func:`fleet_summary`).
 """
 
 from __future__ import annotations
@@ -155,6 +155,36 @@ def reset_prefix_caches(urls: list[str], timeout: float = 30) -> None:
             time.sleep(0.2)
 
 
+def tree_cpu_sec(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and every live descendant
+    (a replica: its API server, engine core and worker), from ``/proc``. A figure the other
+    jobs on a shared machine move less than they move wall time."""
+    children: dict[int, list[int]] = {}
+    used: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            # The fields after the command's closing parenthesis: state is field 3.
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        child = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(child)
+        used[child] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += used.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+def replicas_cpu_sec(cluster: Cluster) -> list[float]:
+    return [tree_cpu_sec(p.pid) if p is not None else 0.0 for p in cluster.procs]
+
+
 def placement_flag(binary: Path) -> bool:
     """Whether this ``session-gate`` binary's proxy takes ``--placement``."""
     out = subprocess.run([str(binary), "proxy", "--help"], capture_output=True, text=True)
@@ -273,7 +303,14 @@ def run_hashed(cluster: Cluster, workload: Workload) -> dict[str, Any]:
 
 
 #: Figures each mode reports per round, beside the medians.
-ROUND_KEYS = ("makespan_sec", "hit_rate", "turns_by_replica", "placements", "moves")
+ROUND_KEYS = (
+    "makespan_sec",
+    "replica_cpu_sec",
+    "hit_rate",
+    "turns_by_replica",
+    "placements",
+    "moves",
+)
 
 
 def merge(rounds: list[list[dict[str, Any]]], workload: str) -> list[dict[str, Any]]:
@@ -293,6 +330,7 @@ def merge(rounds: list[list[dict[str, Any]]], workload: str) -> list[dict[str, A
             k: statistics.median(s["placements"].get(k, 0) for s in runs) for k in reasons
         }
         row["moves"] = statistics.median(s["moves"] for s in runs)
+        row["replica_cpu_sec"] = statistics.median(s["replica_cpu_sec"] for s in runs)
         row["hit_vs_ideal"] = row["hit_rate"] / max(row["ideal_hit_rate"], 1e-9)
     return merged
 
@@ -316,7 +354,8 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], reps: int) -> str:
     """One line per mode: medians over ``reps`` rounds."""
-    head = ["mode", "makespan s", "rounds s", "hit", "ideal", "hit/ideal", "turns r0/r1", "moves"]
+    head = ["mode", "makespan s", "rounds s", "cpu s", "hit", "ideal", "hit/ideal"]
+    head += ["turns r0/r1", "moves"]
     cells = []
     for r in rows:
         cells.append(
@@ -324,6 +363,7 @@ def table(rows: list[dict[str, Any]], reps: int) -> str:
                 r["mode"],
                 f"{r['makespan_sec']:.1f}",
                 "/".join(f"{x['makespan_sec']:.1f}" for x in r["rounds"]),
+                f"{r['replica_cpu_sec']:.0f}",
                 f"{r['hit_rate']:.3f}",
                 f"{r['ideal_hit_rate']:.3f}",
                 f"{r['hit_vs_ideal']:.3f}",
@@ -364,16 +404,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             summaries = []
             for mode in order[shift:] + order[:shift]:
                 reset_prefix_caches(cluster.urls)
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), replicas_cpu_sec(cluster)
                 if mode == "none":
                     summary = run_hashed(cluster, workload)
                 else:
                     summary = run_through_proxy(cluster, workload, mode)
+                used = [b - a for a, b in zip(cpu, replicas_cpu_sec(cluster), strict=True)]
+                summary["replica_cpu_sec"] = sum(used)
                 summaries.append(summary)
                 print(
                     f"round {r + 1}/{args.reps} {mode}: makespan {summary['makespan_sec']:.1f} s, "
                     f"hit {summary['hit_rate']:.3f}, turns by replica "
-                    f"{summary['turns_by_replica']} ({time.perf_counter() - began:.0f} s)",
+                    f"{summary['turns_by_replica']}, replicas' CPU {sum(used):.0f} s "
+                    f"({time.perf_counter() - began:.0f} s)",
                     flush=True,
                 )
             rounds.append(sorted(summaries, key=lambda s: order.index(s["mode"])))
@@ -411,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {args.out}")
-    keys = ("makespan_sec", "hit_rate", "ideal_hit_rate", "hit_vs_ideal", "recompute_ratio")
+    keys = ("makespan_sec", "replica_cpu_sec", "hit_rate", "ideal_hit_rate", "hit_vs_ideal")
+    keys += ("recompute_ratio", "prefill_tokens")
     keys += ("turns", "turns_by_replica", "placements", "moves", "rounds")
     figures = {r["mode"]: {k: r[k] for k in keys} for r in results["rows"]}
     line = {k: v for k, v in results.items() if k != "rows"}
