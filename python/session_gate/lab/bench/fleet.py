@@ -248,7 +248,11 @@ def run_through_proxy(cluster: Cluster, workload: Workload, placement: str) -> d
             finally:
                 await engine.aclose()
 
-        result = asyncio.run(drive())
+        try:
+            result = asyncio.run(drive())
+        except Exception:
+            print(log_tails(cluster), file=sys.stderr, flush=True)
+            raise
         text = get_text(f"{cluster.proxy_url}/metrics")
     finally:
         cluster.stop_proxy()
@@ -275,6 +279,17 @@ def run_through_proxy(cluster: Cluster, workload: Workload, placement: str) -> d
     return summary
 
 
+def log_tails(cluster: Cluster, lines: int = 40) -> str:
+    """The last ``lines`` of the proxy's and each replica's log (the cluster's work directory
+    goes with it): what a failed run prints before it ends."""
+    out = []
+    for log in sorted(cluster.workdir.glob("**/*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {log.relative_to(cluster.workdir)} (last {len(tail)} lines)")
+        out += tail
+    return "\n".join(out)
+
+
 def run_hashed(cluster: Cluster, workload: Workload) -> dict[str, Any]:
     """One run of ``workload`` with no gate: each session straight to the replica its id
     hashes to."""
@@ -296,7 +311,12 @@ def run_hashed(cluster: Cluster, workload: Workload) -> dict[str, Any]:
             for engine in engines:
                 await engine.aclose()
 
-    summary = fleet_summary(asyncio.run(drive()), counts)
+    try:
+        result = asyncio.run(drive())
+    except Exception:
+        print(log_tails(cluster), file=sys.stderr, flush=True)
+        raise
+    summary = fleet_summary(result, counts)
     summary["placements"] = {}
     summary["moves"] = 0
     return summary
