@@ -53,7 +53,12 @@ class HttpEngine:
             turn = request_id.rsplit("-", 1)[1].split(".")[0]
             headers["x-request-id"] = f"{self.run}|{SESSION.get()}|{turn}"
         r = await self.http.post(f"{self.url}/v1/completions", json=body, headers=headers)
-        r.raise_for_status()
+        if r.is_error:
+            # The answer's body says why (the proxy's and vLLM's errors are JSON).
+            raise RuntimeError(
+                f"{request_id}: POST {self.url}/v1/completions answered {r.status_code}: "
+                f"{r.text[:1000]}"
+            )
         out = r.json()
         details = out["usage"].get("prompt_tokens_details") or {}
         return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
