@@ -37,7 +37,6 @@ import os
 import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -185,12 +184,6 @@ def replicas_cpu_sec(cluster: Cluster) -> list[float]:
     return [tree_cpu_sec(p.pid) if p is not None else 0.0 for p in cluster.procs]
 
 
-def placement_flag(binary: Path) -> bool:
-    """Whether this ``session-gate`` binary's proxy takes ``--placement``."""
-    out = subprocess.run([str(binary), "proxy", "--help"], capture_output=True, text=True)
-    return "--placement" in out.stdout
-
-
 def replica_of(session_id: str, replicas: int) -> int:
     """The replica a session id hashes to: a fixed function of the id, as consistent hashing is
     on a fleet that does not change."""
@@ -230,14 +223,7 @@ def fleet_summary(result: ModeResult, turns_by_replica: list[int]) -> dict[str, 
 def run_through_proxy(cluster: Cluster, workload: Workload, placement: str) -> dict[str, Any]:
     """One run of ``workload`` through a proxy of its own placing by ``placement``: the run's
     summary with the turns each replica served and the placements by reason (``/metrics``)."""
-    assert cluster.binary is not None
-    flags = ["--placement", placement] if placement_flag(cluster.binary) else []
-    if not flags and placement != "gate":
-        raise RuntimeError(
-            f"placement {placement!r}: this session-gate proxy has no --placement flag "
-            f"({cluster.binary}); build one that has"
-        )
-    cluster.start_proxy(flags)
+    cluster.start_proxy(["--placement", placement])
     try:
         run = f"{placement}-{time.monotonic_ns()}"
 
@@ -416,8 +402,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"(OpenMP threads bound to cores {binds})",
             flush=True,
         )
-        if any(m in PLACEMENTS for m in args.mode_list):
-            cluster.binary = cluster.binary or _proxy_binary(args)
         order = list(args.mode_list)
         for r in range(args.reps):
             shift = r % len(order)
@@ -456,12 +440,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "targets": targets(rows),
     }
-
-
-def _proxy_binary(args: argparse.Namespace) -> Path:
-    from session_gate.lab.engine.serve import proxy_binary
-
-    return proxy_binary(release=not args.debug_proxy)
 
 
 def main(argv: list[str] | None = None) -> None:
