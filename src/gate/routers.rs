@@ -1,4 +1,4 @@
-//! Placement policies behind one [`Placer`] interface, shared by the proxy
+//! Placement policies behind one `Placer` interface, shared by the proxy
 //! (`crate::proxy::replicas`) and the twin's fleet (`crate::sim::fleet`): the same code runs
 //! in both, so what the twin says of a router is what the proxy does with it.
 //!

@@ -6,10 +6,12 @@
 //!   `POST /finish_session?session_id=`, which prime-rl and SkyRL send), `GET /metrics`,
 //!   `GET /health`. The session id comes from the path or the session header (default
 //!   `x-session-id`); requests without one pass through ungated.
-//! - Placement per turn ([`replicas`], [`placing`]): the sans-IO policy of
-//!   [`crate::gate::placement`], the one the twin's fleet drives, over what the proxy knows of
-//!   each replica; a new session may be held until a replica would take it (late binding). A
-//!   replica failing health checks takes nothing new and its sessions move.
+//! - Placement per turn ([`replicas`], [`placing`]): the policy `--placement` names
+//!   ([`crate::gate::routers`]: the gate's [`crate::gate::placement`], `sticky-least-loaded`
+//!   or `hash`, the code the twin's fleet drives), over what the proxy knows of each replica;
+//!   a new session may be held until a replica would take it (late binding). A replica failing
+//!   health checks takes nothing new and its sessions move. A session this proxy has not seen
+//!   is looked for on the replicas' prefix probes (another proxy may have placed it).
 //! - Replicas from flags, and from a file re-read while running ([`replicas_file`]).
 //! - Each gated request acquires its replica's gate before it is forwarded and releases when
 //!   the answer has been passed on, failed, or the client went away ([`forward`]). A retry

@@ -92,7 +92,8 @@ pub fn replica_view(facts: &ReplicaFacts) -> ReplicaView {
 }
 
 /// The policy's view of a turn of `prompt_tokens` tokens that may add `max_tokens`, on replicas
-/// of `block_size` tokens a block (module docs: nothing is known to be shared).
+/// of `block_size` tokens a block, nothing known to be shared (the caller sets `shared_blocks`
+/// when the replicas told it: [`find_home`]).
 pub fn session_view(prompt_tokens: usize, max_tokens: usize, block_size: u64) -> SessionView {
     SessionView::from_tokens(
         prompt_tokens as u64,

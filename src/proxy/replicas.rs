@@ -3,7 +3,7 @@
 //! Each replica owns one [`Gate`] over its own [`HttpProbe`]. Where a turn goes is decided by
 //! the policy `--placement` names ([`crate::gate::routers`]: `gate`, `hash` or
 //! `sticky-least-loaded`, the code the twin's fleet drives), over the views
-//! [`placing`](super::placing) builds from what the proxy knows: health, usage answers, its
+//! [`placing`] builds from what the proxy knows: health, usage answers, its
 //! gates' commitments, sessions and turns waiting per replica, and the requests it has in
 //! flight or waiting on each (the routers' load). A session this proxy has not seen but the
 //! replicas' prefix probes found on one of them ([`placing::find_home`]) goes there, counted

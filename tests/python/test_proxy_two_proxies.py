@@ -46,8 +46,14 @@ def replicas():
     with contextlib.ExitStack() as stack:
         urls = [
             stack.enter_context(
-                served_vllm(f"two-proxies-{k}", extra_args=extra, env=GATE_ENV,
-                            num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=2048)  # fmt: skip
+                served_vllm(
+                    f"two-proxies-{k}",
+                    extra_args=extra,
+                    env=GATE_ENV,
+                    num_blocks=NUM_BLOCKS,
+                    block_size=BLOCK,
+                    max_model_len=2048,
+                )
             )
             for k in range(2)
         ]
@@ -78,8 +84,12 @@ def two_proxies(urls: list[str], workdir: Path, name: str, *args: str):
 def completed(proxies: list[str], replica: str) -> float:
     """Turns completed on ``replica`` through either proxy."""
     return sum(
-        metric(get_text(f"{p}/metrics"), "session_gate_proxy_requests_total",
-               replica=replica, outcome="completed")  # fmt: skip
+        metric(
+            get_text(f"{p}/metrics"),
+            "session_gate_proxy_requests_total",
+            replica=replica,
+            outcome="completed",
+        )
         for p in proxies
     )
 

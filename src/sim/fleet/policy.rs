@@ -1,5 +1,5 @@
 //! The fleet's placement policies: ours ([`crate::gate::placement`]) and the routers people run,
-//! modelled from their published code and docs (read, not copied), all behind one [`Placer`].
+//! modelled from their published code and docs (read, not copied), all behind one `Placer`.
 //! `hash`, `sticky-least-loaded` and `gate` are the proxy's own code ([`crate::gate::routers`]);
 //! the two here need facts only the twin has.
 //!
