@@ -9,7 +9,7 @@ export SESSION_GATE_VENV := $(VENV)
 export PYO3_PYTHON := $(PY)
 
 .PHONY: setup test test-rust test-python test-vllm-next test-compat test-c lint demo demo-probe bench bench-matrix bench-stream bench-probe bench-gate bench-proxy \
-	bench-clients bench-engine-gate bench-sched-cost soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica sim-fleet wheel bench-abi3 clean
+	bench-clients bench-engine-gate bench-sched-cost bench-fleet soak sim sim-fidelity bench-sim sim-calibrate bench-sim-replica sim-fleet wheel bench-abi3 clean
 
 setup:
 	bash scripts/setup.sh
@@ -144,6 +144,16 @@ bench-sched-cost: setup
 # Turns sent/completed/failed/lost, leases and reservations left, proxy RSS; last line JSON.
 soak: setup
 	$(PY) -m session_gate.lab.soak
+
+# Placement on a real fleet (about 10 minutes): two CPU vllm serve replicas with the plugin
+# (each replica's OpenMP threads on its own half of the cores), the default workload doubled
+# (32 sessions), through `session-gate proxy --placement hash|sticky-least-loaded|gate` (a gate
+# per replica) and with no gate (each session hashed straight to a replica); prefix caches reset
+# between modes; medians of 3 rounds (FLEET_REPS). One table; the last line is JSON with the
+# targets: gate placement no slower than sticky-least-loaded or hash, hit >= 0.95 x ideal.
+FLEET_REPS ?= 3
+bench-fleet: setup
+	$(PY) -m session_gate.lab.bench.fleet --reps $(FLEET_REPS)
 
 # The one wheel (plugin, gate, proxy, twin CLI) for this venv's CPython, in dist/: prints its
 # size, tags, entry points and contents.

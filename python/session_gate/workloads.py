@@ -122,11 +122,18 @@ def _sessions(
     return out
 
 
-def default_workload(seed: int = 0) -> Workload:
+def default_workload(seed: int = 0, sessions: int = 16) -> Workload:
     """16 sessions x 10 turns, 512 shared + 1,000 task tokens, +32 output and +200-600 tool
-    tokens a turn, tools 0.3-1.5 s; 1,024 blocks x 32 tokens (~3x oversubscribed at the end)."""
+    tokens a turn, tools 0.3-1.5 s; 1,024 blocks x 32 tokens (~3x oversubscribed at the end).
+
+    With ``sessions`` another count of such sessions, named ``default-x<k>`` for ``k`` times 16
+    (the fleet bench's two replicas get ``default-x2``): its first 16 sessions are
+    ``default``'s own (the same draws in the same order)."""
+    if sessions < 1:
+        raise ValueError(f"default workload: sessions {sessions}: at least 1")
     rng = random.Random(seed)
-    return Workload("default", tuple(_sessions(rng, "s", 16, 10, (200, 600))), seed=seed)
+    name = "default" if sessions == 16 else f"default-x{sessions / 16:g}"
+    return Workload(name, tuple(_sessions(rng, "s", sessions, 10, (200, 600))), seed=seed)
 
 
 def mixed_workload(seed: int = 0) -> Workload:

@@ -22,6 +22,16 @@ def test_builtin_workloads_are_seeded_and_match_their_description():
     assert {len(s.turns) for s in mixed.sessions} == {3, 12}
 
 
+def test_the_default_workload_doubled_keeps_its_own_sessions_first():
+    one, two = workloads.default_workload(2), workloads.default_workload(2, sessions=32)
+    assert two.name == "default-x2" and len(two.sessions) == 32
+    assert two.sessions[:16] == one.sessions
+    assert len({s.session_id for s in two.sessions}) == 32
+    assert two.engine == one.engine
+    with pytest.raises(ValueError, match="sessions 0"):
+        workloads.default_workload(0, sessions=0)
+
+
 def test_trace_round_trips(tmp_path):
     original = workloads.mixed_workload(1)
     path = tmp_path / "t.jsonl"

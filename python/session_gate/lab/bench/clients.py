@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import contextvars
 import json
 import multiprocessing
 import os
@@ -45,6 +44,7 @@ from typing import Any
 from session_gate import report
 from session_gate.lab.bench import infer_audit
 from session_gate.lab.bench.admission import Admission
+from session_gate.lab.bench.http_turns import HttpEngine, PlainClient
 from session_gate.lab.bench.runner import run_mode
 from session_gate.modes import Mode
 from session_gate.results import ModeResult, TurnRecord
@@ -70,58 +70,6 @@ NAMED_MODES = ("middleware", "sched", "sched-nofinish")
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 
 
-#: The session whose turn the current task is sending, for the ``middleware`` mode's header.
-_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
-
-
-class _HttpEngine:
-    """What ``run_mode`` needs from an engine, over ``/v1/completions`` with token ids. With
-    ``session_header`` each request carries ``x-session-id`` (the turn's session, tagged with
-    ``run`` so sessions of an earlier mode on the same server are not continued); with
-    ``request_ids``, vLLM's ``X-Request-Id`` naming the run, session and turn (for the audit of
-    the session inference, ``infer_audit``)."""
-
-    def __init__(
-        self, url: str, session_header: bool = False, run: str = "", request_ids: bool = False
-    ) -> None:
-        import httpx
-
-        self.url = url
-        self.session_header = session_header
-        self.request_ids = request_ids
-        self.run = run
-        self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64))
-
-    async def generate(self, _: Any, prompt: list[int], max_tokens: int, request_id: str):
-        body = {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "return_token_ids": True,
-        }
-        headers = {}
-        if self.session_header:
-            headers["x-session-id"] = f"{_SESSION.get()}@{self.run}"
-        if self.request_ids:
-            # request_id is "<mode>-<session>-<turn>.<attempt>"
-            turn = request_id.rsplit("-", 1)[1].split(".")[0]
-            headers["x-request-id"] = f"{self.run}|{_SESSION.get()}|{turn}"
-        r = await self.http.post(f"{self.url}/v1/completions", json=body, headers=headers)
-        r.raise_for_status()
-        out = r.json()
-        details = out["usage"].get("prompt_tokens_details") or {}
-        return list(out["choices"][0]["token_ids"]), int(details.get("cached_tokens") or 0)
-
-    async def finish(self, session_id: str) -> None:
-        """Ends a session the way prime-rl ends an episode at its router: vllm-router's
-        ``POST /finish_session?session_id=<id>``, which the plugin serves on ``vllm serve``."""
-        tagged = f"{session_id}@{self.run}"
-        r = await self.http.post(f"{self.url}/finish_session", params={"session_id": tagged})
-        r.raise_for_status()
-
-
 def _admission(mode: str, url: str) -> Admission:
     from session_gate import HttpGate, HttpProbe
 
@@ -132,28 +80,9 @@ def _admission(mode: str, url: str) -> Admission:
         admission.stats = dict  # type: ignore[method-assign]
         return admission
     if mode in PLAIN_MODES:
-        return _PlainClient(mode)
+        return PlainClient(mode)
     kind = "gate" if mode.startswith("gate") else "none"
     return Admission(Mode(kind, kind), HttpProbe(url))
-
-
-class _PlainClient(Admission):
-    """No admission in the client: it only names each turn's session, which the engine reads
-    from the header (the middleware, or vLLM's server for the scheduler mode). Its turns are
-    recorded under ``label`` (the mode): the engine decides, the client never learns the
-    reason."""
-
-    def __init__(self, label: str) -> None:
-        super().__init__(Mode("none", "none"), None)
-        self.label = label
-
-    @contextlib.asynccontextmanager
-    async def turn(self, session_id: str, prompt: list[int], max_tokens: int):  # type: ignore[override]
-        token = _SESSION.set(session_id)
-        try:
-            yield self.label, 0.0
-        finally:
-            _SESSION.reset(token)
 
 
 def _client(
@@ -162,7 +91,7 @@ def _client(
     """One client process: drives its sessions and sends back its turn records."""
 
     async def main() -> list[TurnRecord]:
-        engine = _HttpEngine(
+        engine = HttpEngine(
             url, session_header=mode in NAMED_MODES, run=run, request_ids=mode == "sched-infer"
         )
         admission = _admission(mode, url)

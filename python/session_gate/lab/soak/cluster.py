@@ -1,7 +1,8 @@
 """The soak run's processes: two ``vllm serve`` replicas (tiny model, dummy weights, CPU, small KV
 cache) with the session_gate plugin, and ``session-gate proxy`` (release build) in front. A
 replica can be killed (SIGKILL of its process group: no clean shutdown) and restarted at the
-same address. Also the readings: the proxy's RSS and Prometheus samples.
+same address. Also the readings: the proxy's RSS and Prometheus samples. The fleet bench
+(``bench.fleet``) starts the same replicas once and a proxy of its own per run in front of them.
 
 Nothing here imports vLLM: every server is a subprocess (``engine.serve``)."""
 
@@ -30,9 +31,15 @@ class Engines:
     block_size: int = 32
     max_model_len: int = 1024
     max_num_seqs: int = 16
+    #: vLLM's ``--max-num-batched-tokens``; ``None``: ``max_model_len``.
+    max_num_batched_tokens: int | None = None
     timeout: float = 900
     #: Added to each engine's environment (the engine gate's ``SESSION_GATE_*`` knobs).
     env: dict[str, str] = field(default_factory=dict)
+    #: Added to replica ``i``'s environment after ``env`` (its own CPU cores, say), by index.
+    replica_env: list[dict[str, str]] = field(default_factory=list)
+    #: More ``vllm serve`` flags, for every replica.
+    extra_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -48,13 +55,17 @@ class Cluster:
     proxy: subprocess.Popen | None = None
     proxy_url: str = ""
     restarts: int = 0
+    #: The proxy binary, built at the first proxy start.
+    binary: Path | None = None
 
     def _start_replica(self, i: int, port: int | None = None) -> tuple[subprocess.Popen, str]:
         e = self.engines
         workdir = self.workdir / f"replica{i}-{self.restarts if port else 0}"
         workdir.mkdir(parents=True, exist_ok=True)
+        batched = e.max_num_batched_tokens or e.max_model_len
         extra = ["--max-num-seqs", str(e.max_num_seqs), "--max-num-batched-tokens",
-                 str(e.max_model_len), "--seed", "0"]  # fmt: skip
+                 str(batched), "--seed", "0", *e.extra_args]  # fmt: skip
+        env = {**e.env, **(e.replica_env[i] if i < len(e.replica_env) else {})}
         return start_vllm(
             workdir,
             num_blocks=e.num_blocks,
@@ -63,11 +74,17 @@ class Cluster:
             extra_args=extra,
             timeout=e.timeout,
             port=port,
-            env=e.env,
+            env=env,
         )
 
     def start(self) -> None:
-        binary = proxy_binary(self.release)
+        """Both replicas, then the proxy (``proxy_args``) in front of them."""
+        self.start_replicas()
+        self.start_proxy(self.proxy_args)
+
+    def start_replicas(self) -> None:
+        """Both replicas, side by side; if either fails, the one that started is left for
+        :meth:`close`."""
         self.procs = [None, None]
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(self._start_replica, i) for i in range(2)]
@@ -78,8 +95,19 @@ class Cluster:
         for f in futures:
             if f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-        args = ["--replica", self.urls[1], *self.proxy_args]
-        self.proxy, self.proxy_url = start_proxy(binary, self.urls[0], self.workdir, args)
+
+    def start_proxy(self, proxy_args: list[str]) -> None:
+        """``session-gate proxy`` with ``proxy_args`` in front of both replicas, in place of
+        the one running (if any)."""
+        self.stop_proxy()
+        self.binary = self.binary or proxy_binary(self.release)
+        args = ["--replica", self.urls[1], *proxy_args]
+        self.proxy, self.proxy_url = start_proxy(self.binary, self.urls[0], self.workdir, args)
+
+    def stop_proxy(self) -> None:
+        if self.proxy is not None:
+            stop(self.proxy)
+            self.proxy, self.proxy_url = None, ""
 
     def kill(self, i: int) -> None:
         """SIGKILL replica ``i``'s process group (API server, engine core, workers)."""
@@ -107,8 +135,7 @@ class Cluster:
         return -1
 
     def close(self) -> None:
-        if self.proxy is not None:
-            stop(self.proxy)
+        self.stop_proxy()
         for p in self.procs:
             if p is not None:
                 stop(p)
