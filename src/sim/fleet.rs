@@ -827,6 +827,14 @@ impl Fleet {
         system
     }
 
+    /// Whether some usable replica has nothing queued (a waiting turn could move there).
+    fn any_open(&self, views: &[ReplicaView]) -> bool {
+        let Some(rebinder) = &self.rebinder else {
+            return false;
+        };
+        (0..views.len()).any(|r| views[r].queued == 0 && rebinder.usable(views, r))
+    }
+
     /// Offers the turns waiting for admission (oldest session first) a move to a replica that
     /// would admit them now, where placement says so.
     fn rebind_waiting(&mut self) -> Result<()> {
@@ -834,8 +842,10 @@ impl Fleet {
             return Ok(());
         }
         let mut views = self.views();
-        // Nothing can move unless some replica has an empty queue.
-        if !views.iter().any(|v| v.up && v.queued == 0) {
+        // Nothing can move unless some usable replica has an empty queue (a straggler's stays
+        // empty: it takes nothing, and asking every waiting turn about it would cost a pass
+        // per event).
+        if !self.any_open(&views) {
             return Ok(());
         }
         let candidates: Vec<SessionIx> = self.waiting.iter().copied().collect();
@@ -899,7 +909,7 @@ impl Fleet {
             self.notes.push_back((to, Note::TurnReady(s)));
             self.settle()?;
             views = self.views();
-            if !views.iter().any(|v| v.up && v.queued == 0) {
+            if !self.any_open(&views) {
                 break;
             }
         }
