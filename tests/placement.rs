@@ -1,5 +1,6 @@
 //! The placement policy's rules (`session_gate::gate::placement`), as pure decisions over
-//! replica views: new sessions, resident and cold returning sessions, slow and down replicas.
+//! replica views: new sessions, resident and cold returning sessions, turns that wait for
+//! admission, slow and down replicas.
 use session_gate::gate::placement::{
     PlaceReason, Placement, PlacementConfig, ReplicaView, SessionView, eta,
 };
@@ -31,9 +32,10 @@ fn policy() -> Placement {
 #[test]
 fn a_new_session_goes_where_it_would_be_admitted_now_with_the_fewest_sessions() {
     let mut p = policy();
+    // Live sessions 5, 1, 2, 4: a share of 3 a replica.
     let views = [
         ReplicaView {
-            sessions: 3,
+            sessions: 5,
             ..idle()
         },
         ReplicaView {
@@ -46,7 +48,7 @@ fn a_new_session_goes_where_it_would_be_admitted_now_with_the_fewest_sessions() 
             ..idle()
         },
         ReplicaView {
-            sessions: 0,
+            sessions: 4,
             free_blocks: 50,
             ..idle()
         }, // no room for 105 blocks
@@ -283,4 +285,158 @@ fn eta_is_zero_only_with_no_queue_and_room() {
         ..idle()
     };
     assert_eq!(eta(&queued, &TURN, 0), 4.0);
+}
+
+#[test]
+fn a_new_session_goes_only_to_a_replica_within_its_share_of_live_sessions() {
+    let mut p = policy();
+    // Live sessions 10 and 2: a share of 6. The idle replica over it gets nothing, even though
+    // it would admit the session now; the one under it takes it into its backlog.
+    let views = [
+        ReplicaView {
+            sessions: 10,
+            ..idle()
+        },
+        ReplicaView {
+            sessions: 2,
+            queued: 1,
+            ..idle()
+        },
+    ];
+    assert!((p.share(&views) - 6.0).abs() < 1e-12);
+    assert_eq!(p.place_new(&views, &TURN, |_| 0).unwrap().replica, 1);
+    // Per unit of speed: 10 at full speed against 4 at 0.8 (5): a share of 7.5.
+    let views = [
+        ReplicaView {
+            sessions: 10,
+            ..idle()
+        },
+        ReplicaView {
+            sessions: 4,
+            speed: 0.8,
+            queued: 1,
+            ..idle()
+        },
+    ];
+    assert_eq!(p.place_new(&views, &TURN, |_| 0).unwrap().replica, 1);
+    // A down or slow replica does not count in the share.
+    let views = [
+        ReplicaView {
+            sessions: 10,
+            ..idle()
+        },
+        ReplicaView {
+            sessions: 0,
+            up: false,
+            ..idle()
+        },
+        ReplicaView {
+            sessions: 0,
+            speed: 0.4,
+            ..idle()
+        },
+    ];
+    assert_eq!(p.place_new(&views, &TURN, |_| 0).unwrap().replica, 0);
+}
+
+/// A replica where `TURN` waits: it and one turn ahead of it queued, 3 live sessions.
+fn busy_home() -> ReplicaView {
+    ReplicaView {
+        sessions: 3,
+        queued: 2,
+        new_waiting: 1,
+        ..idle()
+    }
+}
+
+#[test]
+fn a_waiting_first_turn_moves_to_a_replica_that_would_admit_it_now() {
+    let mut p = policy();
+    let views = [
+        busy_home(),
+        ReplicaView {
+            sessions: 2,
+            queued: 1,
+            ..idle()
+        }, // a queue: not now either
+        ReplicaView {
+            sessions: 2,
+            ..idle()
+        },
+    ];
+    let placed = p.place_waiting(&views, &TURN, 0, 10, true, |_| 10).unwrap();
+    assert_eq!((placed.replica, placed.reason), (2, PlaceReason::NewMove));
+    assert!(placed.reason.is_move());
+    let stats = p.stats();
+    assert_eq!(stats.new_move, 1);
+    assert_eq!(
+        stats.moves(),
+        0,
+        "it had no cache to lose: not a move of a session"
+    );
+    let labels: Vec<&str> = stats.by_reason().iter().map(|(l, _)| *l).collect();
+    assert!(labels.contains(&"new_move"));
+}
+
+#[test]
+fn a_waiting_turn_stays_when_home_would_admit_it_now_or_nobody_would() {
+    let mut p = policy();
+    // Home has only this turn queued and room: it is about to be admitted there.
+    let home = ReplicaView {
+        queued: 1,
+        ..busy_home()
+    };
+    let views = [home, idle()];
+    assert_eq!(p.place_waiting(&views, &TURN, 0, 10, true, |_| 10), None);
+    // Home would not, and neither would anyone else (a queue, or no room).
+    let views = [
+        busy_home(),
+        ReplicaView {
+            queued: 1,
+            ..idle()
+        },
+        ReplicaView {
+            free_blocks: 20,
+            ..idle()
+        },
+    ];
+    assert_eq!(p.place_waiting(&views, &TURN, 0, 10, true, |_| 0), None);
+    assert_eq!(p.stats(), Default::default());
+}
+
+#[test]
+fn a_waiting_first_turn_respects_the_backlog_and_the_share() {
+    let mut p = policy();
+    let full_backlog = ReplicaView {
+        new_waiting: 2,
+        ..idle()
+    };
+    let views = [busy_home(), full_backlog];
+    assert_eq!(p.place_waiting(&views, &TURN, 0, 10, true, |_| 10), None);
+    // Idle but over the share (9 against a share of 6).
+    let crowded = ReplicaView {
+        sessions: 9,
+        ..idle()
+    };
+    let views = [busy_home(), crowded];
+    assert_eq!(p.place_waiting(&views, &TURN, 0, 10, true, |_| 10), None);
+    // A returning cold turn is no new session: the share and the backlog do not hold for it.
+    let placed = p
+        .place_waiting(&views, &TURN, 0, 10, false, |_| 10)
+        .unwrap();
+    assert_eq!((placed.replica, placed.reason), (1, PlaceReason::ColdMove));
+}
+
+#[test]
+fn a_waiting_returning_turn_moves_only_when_cold() {
+    let mut p = policy();
+    let views = [busy_home(), idle()];
+    // 60 of its 90 own blocks resident at home (10 shared + 60): it stays for its cache.
+    assert_eq!(p.place_waiting(&views, &TURN, 0, 70, false, |_| 10), None);
+    // 30 of 90: cold, it re-prefills wherever it goes; the idle replica admits it now.
+    let placed = p
+        .place_waiting(&views, &TURN, 0, 40, false, |_| 10)
+        .unwrap();
+    assert_eq!((placed.replica, placed.reason), (1, PlaceReason::ColdMove));
+    assert_eq!(p.stats().cold_move, 1);
 }

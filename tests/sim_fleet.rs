@@ -160,6 +160,58 @@ fn a_straggler_costs_hashing_far_more_than_the_gate_placement() {
     assert!(ours.placement.slow_move > 0);
 }
 
+/// A stream under pressure on 2 replicas of 256 blocks: 40 sessions arriving 0.5 s apart, every
+/// fourth one of 10 turns (its working set grows to most of a replica), the rest of 2.
+fn crowded_stream() -> Vec<SessionSpec> {
+    (0..40)
+        .map(|i| {
+            let mut turns = vec![(0, 50, 1.0)];
+            turns.extend(vec![(200, 50, 1.0); if i % 4 == 0 { 9 } else { 1 }]);
+            session(&format!("s{i}"), 64, 200, 0.5 * i as f64, &turns)
+        })
+        .collect()
+}
+
+#[test]
+fn turns_waiting_for_admission_move_to_a_replica_that_would_admit_them_now() {
+    let two = FleetSpec {
+        replicas: 2,
+        ..four()
+    };
+    let total: usize = crowded_stream().iter().map(|s| s.turns.len()).sum();
+    let run = |placement| {
+        let spec = FleetSpec {
+            placement,
+            ..two.clone()
+        };
+        simulate_fleet(
+            crowded_stream(),
+            7,
+            || Ok(flat_replica(256)),
+            &gate(),
+            &spec,
+        )
+        .unwrap()
+    };
+    let ours = run(PlacementKind::Gate);
+    // A withdrawn turn is admitted once, where it went: every turn served exactly once.
+    assert_eq!(ours.records.len(), total);
+    let served: HashSet<(usize, u32)> = ours.records.iter().map(|r| (r.session, r.turn)).collect();
+    assert_eq!(served.len(), total, "a turn was served twice");
+    let p = ours.placement;
+    assert!(p.new_move > 0, "no waiting first turn moved: {p:?}");
+    // Only placement `gate` moves waiting turns; here it ends no later than sticky placement.
+    let sticky = run(PlacementKind::StickyLeastLoaded);
+    assert_eq!(sticky.placement.new_move, 0);
+    assert_eq!(sticky.records.len(), total);
+    assert!(
+        ours.makespan_sec <= sticky.makespan_sec,
+        "gate {} s, sticky {} s",
+        ours.makespan_sec,
+        sticky.makespan_sec
+    );
+}
+
 #[test]
 fn bad_fleets_are_refused_with_the_reason() {
     let spec = |replicas, lose| FleetSpec {

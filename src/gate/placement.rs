@@ -13,6 +13,13 @@
 //!   its backlog, [`Placement::place_new`] answers `None`: the caller holds the session and asks
 //!   again when something changed (late binding: a session bound early to a busy replica waits
 //!   there while another replica idles; each replica's gate still decides when to admit).
+//! - A turn **waiting** for admission with nothing of its own resident where it waits (a new
+//!   session's first turn, or a cold returning one) is not bound for good: whenever its
+//!   replica would not admit it now and another usable replica would, it moves there
+//!   ([`Placement::place_waiting`], asked again while it waits). Why: a decision taken when
+//!   the turn became ready goes stale; near the end of a stream a turn revoked or queued on
+//!   a full replica would otherwise wait minutes while other replicas run dry, and the fleet
+//!   ends when its last session does.
 //! - A **returning** session whose own prefix is still resident at home stays.
 //! - A **cold** returning session (its prefix evicted at home) re-prefills wherever it goes, so
 //!   it moves when another replica would admit it now and home would not.
@@ -76,6 +83,9 @@ impl SessionView {
 pub enum PlaceReason {
     /// A new session, to where it would be admitted now.
     New,
+    /// A new session still waiting for its first admission, moved to a replica that would
+    /// admit it now.
+    NewMove,
     /// A returning session whose prefix is resident at home.
     Resident,
     /// A cold returning session that stays (home would admit it as soon as anywhere).
@@ -97,6 +107,7 @@ impl PlaceReason {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::New => "new",
+            Self::NewMove => "new_move",
             Self::Resident => "resident",
             Self::ColdStay => "cold_stay",
             Self::ColdMove => "cold_move",
@@ -108,7 +119,10 @@ impl PlaceReason {
 
     /// Whether the session left its home.
     pub fn is_move(self) -> bool {
-        matches!(self, Self::ColdMove | Self::SlowMove | Self::DownMove)
+        matches!(
+            self,
+            Self::NewMove | Self::ColdMove | Self::SlowMove | Self::DownMove
+        )
     }
 }
 
@@ -119,6 +133,9 @@ pub struct PlacementStats {
     pub new: u64,
     /// New sessions held (no replica would admit them now); each ask counts.
     pub held: u64,
+    /// New sessions moved before their first admission (not counted in [`Self::moves`]: they
+    /// had no cache to lose).
+    pub new_move: u64,
     /// Returning sessions that stayed, resident.
     pub resident: u64,
     /// Cold returning sessions that stayed.
@@ -137,6 +154,7 @@ impl PlacementStats {
     fn count(&mut self, reason: PlaceReason) {
         let slot = match reason {
             PlaceReason::New => &mut self.new,
+            PlaceReason::NewMove => &mut self.new_move,
             PlaceReason::Resident => &mut self.resident,
             PlaceReason::ColdStay => &mut self.cold_stay,
             PlaceReason::ColdMove => &mut self.cold_move,
@@ -147,7 +165,7 @@ impl PlacementStats {
         *slot += 1;
     }
 
-    /// Every move, whatever its reason.
+    /// Every move of a session that had run a turn, whatever its reason.
     pub fn moves(&self) -> u64 {
         self.cold_move + self.slow_move + self.down_move
     }
@@ -157,6 +175,7 @@ impl PlacementStats {
         [
             ("new", self.new),
             ("held", self.held),
+            ("new_move", self.new_move),
             ("resident", self.resident),
             ("cold_stay", self.cold_stay),
             ("cold_move", self.cold_move),
@@ -192,6 +211,9 @@ impl Default for PlacementConfig {
     }
 }
 
+/// Rounding room when comparing sessions per speed with the share (exact for equal speeds).
+const SHARE_SLACK: f64 = 1e-9;
+
 /// A decision: the replica, and why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Placed {
@@ -206,6 +228,20 @@ pub struct Placed {
 pub struct Placement {
     config: PlacementConfig,
     stats: PlacementStats,
+}
+
+/// The fastest up replica's speed (0 when none is up).
+fn fastest(views: &[ReplicaView]) -> f64 {
+    views
+        .iter()
+        .filter(|v| v.up)
+        .map(|v| v.speed)
+        .fold(0.0, f64::max)
+}
+
+/// `sessions` per unit of `view`'s speed.
+fn per_speed(sessions: u32, view: &ReplicaView) -> f64 {
+    f64::from(sessions) / view.speed.max(1e-9)
 }
 
 /// Blocks the turn needs that `view`'s free list must supply, `hit_blocks` being resident.
@@ -239,14 +275,32 @@ impl Placement {
         self.stats
     }
 
+    /// The fleet's share of live sessions per unit of speed: the mean of `sessions / speed`
+    /// over the usable replicas (infinite when none is usable). A replica over it takes no new
+    /// session: a session's remaining turns are unknown, so a replica's remaining work is best
+    /// told by its live sessions, and a stream ends when the replica with the most work does.
+    pub fn share(&self, views: &[ReplicaView]) -> f64 {
+        let fastest = fastest(views);
+        let (mut sum, mut n) = (0.0, 0u32);
+        for v in views.iter().filter(|v| self.usable_at(v, fastest)) {
+            sum += per_speed(v.sessions, v);
+            n += 1;
+        }
+        if n == 0 {
+            f64::INFINITY
+        } else {
+            sum / f64::from(n)
+        }
+    }
+
     /// Whether replica `r` may take sessions: up, and not slow against the fastest usable one.
     pub fn usable(&self, views: &[ReplicaView], r: usize) -> bool {
-        let fastest = views
-            .iter()
-            .filter(|v| v.up)
-            .map(|v| v.speed)
-            .fold(0.0, f64::max);
-        views[r].up && views[r].speed >= self.config.slow_below * fastest
+        self.usable_at(&views[r], fastest(views))
+    }
+
+    /// Whether `view` is usable, `fastest` being the fastest up replica's speed.
+    fn usable_at(&self, view: &ReplicaView, fastest: f64) -> bool {
+        view.up && view.speed >= self.config.slow_below * fastest
     }
 
     /// Where a new session goes, or `None` to hold it (no usable replica would admit it now).
@@ -260,17 +314,17 @@ impl Placement {
     ) -> Option<Placed> {
         // (waits, new sessions waiting, sessions per speed, shared hit) of the best so far.
         let mut best: Option<(bool, u32, f64, u64, usize)> = None;
-        for r in 0..views.len() {
-            if !self.usable(views, r) {
-                continue;
-            }
-            let v = &views[r];
-            if v.new_waiting >= self.config.new_backlog {
+        let (fastest, share) = (fastest(views), self.share(views));
+        for (r, v) in views.iter().enumerate() {
+            if !self.usable_at(v, fastest)
+                || v.new_waiting >= self.config.new_backlog
+                || per_speed(v.sessions, v) > share + SHARE_SLACK
+            {
                 continue;
             }
             let hit = shared_hit(r).min(session.shared_blocks);
             let waits = eta(v, session, hit) > 0.0;
-            let load = f64::from(v.sessions + 1) / v.speed.max(1e-9);
+            let load = per_speed(v.sessions + 1, v);
             let better = match best {
                 None => true,
                 Some((w, n, l, h, _)) => (waits, v.new_waiting, load, std::cmp::Reverse(hit))
@@ -294,6 +348,78 @@ impl Placement {
                 None
             }
         }
+    }
+
+    /// Where a turn that waits at `home` for admission goes instead, or `None` to leave it
+    /// there; asked again while it waits (whenever something finished), since a replica that
+    /// would admit it may appear long after it was placed. `views` count it at home (in
+    /// `queued`, and in `new_waiting` for a `first` turn), as the caller's do while it waits.
+    /// It moves only when it has nothing of its own resident at home (a first turn never has;
+    /// a returning one whose own blocks are under [`PlacementConfig::resident_fraction`]
+    /// resident, as for [`Placement::place_returning`]), home would not admit it now (a turn
+    /// queued ahead of it, or no room) and another usable replica would (nothing queued,
+    /// room): it starts sooner and pays nothing it would not pay at home. A first turn goes
+    /// only to a replica with room in its backlog of new sessions, ranked as
+    /// [`Placement::place_new`] ranks; a returning one as a cold move. `home_hit`: the
+    /// prompt blocks resident at home; `shared_hit(r)` as for `place_new`.
+    pub fn place_waiting(
+        &mut self,
+        views: &[ReplicaView],
+        session: &SessionView,
+        home: usize,
+        home_hit: u64,
+        first: bool,
+        mut shared_hit: impl FnMut(usize) -> u64,
+    ) -> Option<Placed> {
+        let own = session.prompt_blocks.saturating_sub(session.shared_blocks);
+        let own_hit = home_hit.saturating_sub(session.shared_blocks);
+        if !first && own > 0 && own_hit as f64 >= self.config.resident_fraction * own as f64 {
+            return None;
+        }
+        if home < views.len() && self.usable(views, home) {
+            let mut without = views[home];
+            without.queued = without.queued.saturating_sub(1);
+            if eta(&without, session, home_hit) == 0.0 {
+                return None;
+            }
+        }
+        // (new sessions waiting, sessions per speed, shared hit, replica) of the best so far.
+        let mut best: Option<(u32, f64, u64, usize)> = None;
+        let (fastest, share) = (fastest(views), self.share(views));
+        for (r, v) in views.iter().enumerate() {
+            if r == home || !self.usable_at(v, fastest) {
+                continue;
+            }
+            // A first turn is a new session: the backlog and the share hold for it.
+            if first
+                && (v.new_waiting >= self.config.new_backlog
+                    || per_speed(v.sessions, v) > share + SHARE_SLACK)
+            {
+                continue;
+            }
+            let hit = shared_hit(r).min(session.shared_blocks);
+            if eta(v, session, hit) > 0.0 {
+                continue;
+            }
+            let backlog = if first { v.new_waiting } else { 0 };
+            let load = per_speed(v.sessions + 1, v);
+            let better = best.is_none_or(|(n, l, h, _)| {
+                (backlog, load, std::cmp::Reverse(hit))
+                    .partial_cmp(&(n, l, std::cmp::Reverse(h)))
+                    .is_some_and(|o| o.is_lt())
+            });
+            if better {
+                best = Some((backlog, load, hit, r));
+            }
+        }
+        let (_, _, _, replica) = best?;
+        let reason = if first {
+            PlaceReason::NewMove
+        } else {
+            PlaceReason::ColdMove
+        };
+        self.stats.count(reason);
+        Some(Placed { replica, reason })
     }
 
     /// Where session's next turn goes, its home being `home` with `home_hit` of its prompt

@@ -78,6 +78,8 @@ fn simulate_fleet<'py>(
         let out = out?;
         let d = PyDict::new(py);
         d.set_item("records", records_dict(py, &out.records)?)?;
+        // The replica that served each record (per-replica tails, spreads).
+        d.set_item("served_by", PyList::new(py, &out.served_by)?)?;
         d.set_item("makespan_sec", out.makespan_sec)?;
         let placed = PyDict::new(py);
         for (reason, n) in out.placement.by_reason() {

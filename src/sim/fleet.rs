@@ -10,13 +10,19 @@
 //! turn is handed to the new one. Under `aimd` a session stays where its episode started (the
 //! controller counts episodes per replica) unless its replica is lost.
 //!
+//! Under placement `gate` with the gate per replica, a turn that waits for admission with
+//! nothing of its own resident (a new session's first turn, a cold returning turn) is offered
+//! a move whenever something finished ([`Placement::place_waiting`]): its replica's gate lets
+//! go of it (the attempt is withdrawn, as a client that went away) and the turn goes to the
+//! replica that would admit it now.
+//!
 //! Faults: a straggler replica runs every step `slowdown` times slower; a lost replica
 //! disappears once half the workload's turns have finished: its in-flight turns are re-sent
 //! elsewhere (they start over: whatever they computed is gone), the sessions it held are cold
 //! wherever they go, and under `aimd` their episodes re-run (lost work).
 pub mod policy;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 use self::policy::{PlacementKind, Placer, Snapshot, Turn};
 use super::driver::client::{Client, Phase, client_in};
@@ -27,7 +33,9 @@ use super::driver::{Ctx, LostWork, Mode, ModeSpec, SessionIx, SessionSpec, TurnR
 use super::kv_manager::HitMemo;
 use super::{BlockHash, Replica, ReplicaStats, StepOutcome};
 use crate::error::{Error, Result};
-use crate::gate::placement::{PlacementStats, ReplicaView, SessionView};
+use crate::gate::placement::{
+    Placement, PlacementConfig, PlacementStats, ReplicaView, SessionView,
+};
 
 /// The fleet: how many replicas, where sessions go, and its faults.
 #[derive(Debug, Clone, PartialEq)]
@@ -134,6 +142,9 @@ pub fn simulate_fleet(
             "straggler slowdown {f}: expected a finite factor >= 1"
         )));
     }
+    // Sessions waiting for their first admission move only where a gate can let go of them.
+    let rebinder = (fleet.placement == PlacementKind::Gate && matches!(mode, ModeSpec::Gate(_)))
+        .then(|| Placement::new(PlacementConfig::default()));
     let aimd = match mode {
         ModeSpec::None | ModeSpec::Seed(_) | ModeSpec::Gate(_) | ModeSpec::Pause(_) => false,
         ModeSpec::Aimd(_) => true,
@@ -182,6 +193,8 @@ pub fn simulate_fleet(
         .collect();
     let mut sim = Fleet {
         placer: fleet.placement.build(fleet.replicas, n),
+        rebinder,
+        waiting: BTreeSet::new(),
         slots,
         home: vec![None; n],
         waiting_on: vec![None; n],
@@ -212,11 +225,12 @@ pub fn simulate_fleet(
         dirty: false,
     };
     sim.run()?;
+    let placement = sim.placement_stats();
     Ok(FleetOutput {
         records: sim.records,
         served_by: sim.served_by,
         makespan_sec: sim.makespan,
-        placement: sim.placer.stats(),
+        placement,
         replica_stats: sim
             .slots
             .iter()
@@ -231,6 +245,10 @@ pub fn simulate_fleet(
 
 struct Fleet {
     placer: Box<dyn Placer>,
+    /// Placement `gate` under the gate: moves turns that wait for admission (`place_waiting`).
+    rebinder: Option<Placement>,
+    /// Sessions counted in a replica's admission queue, by index (arrival order).
+    waiting: BTreeSet<SessionIx>,
     slots: Vec<Slot>,
     /// Per session: the replica it is placed on.
     home: Vec<Option<usize>>,
@@ -432,6 +450,9 @@ impl Fleet {
         }
         if let Some(r) = to {
             self.slots[r].queued += 1;
+            self.waiting.insert(s);
+        } else {
+            self.waiting.remove(&s);
         }
         self.waiting_on[s] = to;
     }
@@ -674,14 +695,8 @@ impl Fleet {
     fn place_new(&mut self, s: SessionIx) -> Result<bool> {
         let (views, load, tokens, capacity) = self.snapshot_parts();
         let (prompt, view) = self.session_view(s);
-        let system = self.clients[s].spec.system_tokens;
-        let bs = self.block_size;
-        let seed_chain = &self.clients[s].chain;
-        let shared = self.shared.entry(system).or_insert_with(|| {
-            let mut chain = seed_chain.clone();
-            chain.extend_to(u64::from(system));
-            chain.hashes()[..(system / bs) as usize].to_vec()
-        });
+        let system = self.shared_hashes(s);
+        let shared = &self.shared[&system];
         let slots = &self.slots;
         let mut shared_hit = |r: usize| {
             let report = slots[r].replica.probe_prefix(shared, system + 1);
@@ -771,9 +786,10 @@ impl Fleet {
         Ok(())
     }
 
-    /// Offers held sessions a replica, in arrival order, while one takes them.
+    /// Offers held sessions a replica, in arrival order, while one takes them; then offers
+    /// the sessions waiting for their first admission a move.
     fn offer_held(&mut self) -> Result<()> {
-        if !self.dirty || self.held.is_empty() {
+        if !self.dirty {
             return Ok(());
         }
         self.dirty = false;
@@ -783,6 +799,119 @@ impl Fleet {
             }
             self.held.pop_front();
             self.settle()?;
+        }
+        self.rebind_waiting()
+    }
+
+    /// Placement's counters, the rebinder's moves of waiting new sessions included.
+    fn placement_stats(&self) -> PlacementStats {
+        let mut stats = self.placer.stats();
+        if let Some(rebinder) = &self.rebinder {
+            let moved = rebinder.stats();
+            stats.new_move += moved.new_move;
+            stats.cold_move += moved.cold_move;
+        }
+        stats
+    }
+
+    /// The shared system prompt's block hashes for session `s`'s system length.
+    fn shared_hashes(&mut self, s: SessionIx) -> u32 {
+        let system = self.clients[s].spec.system_tokens;
+        let bs = self.block_size;
+        let seed_chain = &self.clients[s].chain;
+        self.shared.entry(system).or_insert_with(|| {
+            let mut chain = seed_chain.clone();
+            chain.extend_to(u64::from(system));
+            chain.hashes()[..(system / bs) as usize].to_vec()
+        });
+        system
+    }
+
+    /// Whether some usable replica has nothing queued (a waiting turn could move there).
+    fn any_open(&self, views: &[ReplicaView]) -> bool {
+        let Some(rebinder) = &self.rebinder else {
+            return false;
+        };
+        (0..views.len()).any(|r| views[r].queued == 0 && rebinder.usable(views, r))
+    }
+
+    /// Offers the turns waiting for admission (oldest session first) a move to a replica that
+    /// would admit them now, where placement says so.
+    fn rebind_waiting(&mut self) -> Result<()> {
+        if self.rebinder.is_none() || self.waiting.is_empty() {
+            return Ok(());
+        }
+        let mut views = self.views();
+        // Nothing can move unless some usable replica has an empty queue (a straggler's stays
+        // empty: it takes nothing, and asking every waiting turn about it would cost a pass
+        // per event).
+        if !self.any_open(&views) {
+            return Ok(());
+        }
+        let candidates: Vec<SessionIx> = self.waiting.iter().copied().collect();
+        for s in candidates {
+            let Some(home) = self.waiting_on[s] else {
+                continue;
+            };
+            if self.home[s] != Some(home) || self.clients[s].phase != Phase::Ready {
+                continue;
+            }
+            let first = self.clients[s].turn == 0;
+            let (_, view) = self.session_view(s);
+            let system = self.shared_hashes(s);
+            let Fleet {
+                slots,
+                shared,
+                rebinder,
+                clients,
+                memos,
+                ..
+            } = self;
+            let hashes = &shared[&system];
+            let home_hit = if first {
+                slots[home]
+                    .replica
+                    .probe_prefix(hashes, system + 1)
+                    .hit_blocks
+            } else {
+                let t = clients[s].view();
+                slots[home]
+                    .replica
+                    .probe_prefix_memo(s as u64, t.prompt_hashes, t.prompt_tokens, &mut memos[s])
+                    .hit_blocks
+            };
+            let shared_hit =
+                |r: usize| slots[r].replica.probe_prefix(hashes, system + 1).hit_blocks;
+            let rebinder = rebinder.as_mut().expect("checked");
+            let Some(placed) =
+                rebinder.place_waiting(&views, &view, home, home_hit, first, shared_hit)
+            else {
+                continue;
+            };
+            let mut withdrawn = false;
+            self.with_mode(home, |mode, ctx| {
+                withdrawn = mode.withdraw(ctx, s)?;
+                Ok(())
+            })?;
+            if !withdrawn {
+                return Err(Error::InvalidInput(format!(
+                    "replica {home}'s gate did not let go of waiting session #{s}"
+                )));
+            }
+            let to = placed.replica;
+            self.set_waiting(s, None);
+            if first {
+                self.slots[home].new_waiting = self.slots[home].new_waiting.saturating_sub(1);
+                self.slots[to].new_waiting += 1;
+            }
+            self.set_home(s, Some(to));
+            self.set_waiting(s, Some(to));
+            self.notes.push_back((to, Note::TurnReady(s)));
+            self.settle()?;
+            views = self.views();
+            if !self.any_open(&views) {
+                break;
+            }
         }
         Ok(())
     }

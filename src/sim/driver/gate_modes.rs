@@ -197,6 +197,20 @@ impl Mode for GateMode {
         self.settle(ctx)
     }
 
+    fn withdraw(&mut self, ctx: &mut Ctx<'_>, s: SessionIx) -> Result<bool> {
+        let Some(id) = self.attempts[s].take() else {
+            return Ok(false);
+        };
+        // Its parked slot, probe in flight and queue place go with it (the core's cancel).
+        self.parked.remove(id.0);
+        self.pending.remove(&id.0);
+        self.core.cancel(id, ctx.now());
+        let turn = ctx.turn(s);
+        self.core.finish_session(turn.session_id, ctx.now());
+        self.settle(ctx)?;
+        Ok(true)
+    }
+
     fn session_finished(&mut self, ctx: &mut Ctx<'_>, s: SessionIx) -> Result<()> {
         let turn = ctx.turn(s);
         self.core.finish_session(turn.session_id, ctx.now());

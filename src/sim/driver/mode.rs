@@ -136,6 +136,13 @@ pub trait Mode {
         Ok(())
     }
 
+    /// Session `s`'s ready turn, not admitted yet, goes elsewhere (a fleet moving a session
+    /// that waits for its first admission): forget it as if it never came. Returns whether
+    /// the mode let go of it; the default cannot (the turn may already be in the engine).
+    fn withdraw(&mut self, _ctx: &mut Ctx<'_>, _s: SessionIx) -> Result<bool> {
+        Ok(false)
+    }
+
     /// An engine-step boundary: the step that just ended has been applied and, under the
     /// profile's `async_scheduling`, the next one (if any) is scheduled (without it, it is
     /// scheduled right after this call) — vLLM's busy loop answers queued utility calls
