@@ -171,7 +171,7 @@ impl PlacementStats {
     }
 
     /// `(label, count)` pairs, in a fixed order.
-    pub fn by_reason(&self) -> [(&'static str, u64); 8] {
+    pub fn by_reason(&self) -> [(&'static str, u64); 9] {
         [
             ("new", self.new),
             ("held", self.held),
