@@ -12,6 +12,12 @@ use serde_json::Value;
 /// The pooled client to every replica.
 pub type Client = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
 
+/// How long an idle pooled connection is reused: under the 5 s after which `vllm serve`
+/// (uvicorn, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`) closes an idle connection. A longer pool races
+/// the server's close: a request written on a connection the server is closing fails after it
+/// was sent, and such a failure is not retried on a replica that is still alive.
+pub const POOL_IDLE: Duration = Duration::from_secs(4);
+
 /// A keep-alive HTTP/1.1 client with `TCP_NODELAY` (small SSE frames must not wait for Nagle).
 /// A connection that cannot be opened within `connect_timeout` fails as a connect error
 /// (`is_connect()`): the request was never sent.
@@ -20,7 +26,7 @@ pub fn client(connect_timeout: Duration) -> Client {
     connector.set_nodelay(true);
     connector.set_connect_timeout(Some(connect_timeout));
     hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
+        .pool_idle_timeout(POOL_IDLE)
         .pool_max_idle_per_host(256)
         .build(connector)
 }

@@ -150,7 +150,9 @@ async def test_two_proxies_sending_at_once_never_commit_a_replica_past_its_line(
                 time.sleep(0.05)
 
     sampler = threading.Thread(target=sample)
-    with two_proxies(urls, workdir, "line") as proxies:
+    # Sticky placement hands every new session to a replica at once (gate placement holds some
+    # in the proxies: late binding), so the engine gates alone must keep the line.
+    with two_proxies(urls, workdir, "line", "--placement", "sticky-least-loaded") as proxies:
         sampler.start()
         try:
             async with httpx.AsyncClient(timeout=300) as http:
