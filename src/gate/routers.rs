@@ -284,13 +284,31 @@ impl Placer for HashRing {
     }
 }
 
-/// Least loaded at the first turn, sticky after.
-#[derive(Debug, Default)]
+/// A sticky router: a new session goes where `pick` says, and stays there while its home is up
+/// (where `pick` says again when it is down). With [`Sticky::least_loaded`] it is
+/// `sticky-least-loaded`; the twin's `thunder` picks by token capacity.
+#[derive(Debug)]
 pub(crate) struct Sticky {
+    pick: fn(&Snapshot<'_>) -> Option<usize>,
     stats: PlacementStats,
 }
 
+impl Default for Sticky {
+    /// `sticky-least-loaded`.
+    fn default() -> Self {
+        Self::new(Self::least_loaded)
+    }
+}
+
 impl Sticky {
+    /// Sticky placement with `pick` choosing the replica.
+    pub(crate) fn new(pick: fn(&Snapshot<'_>) -> Option<usize>) -> Self {
+        Self {
+            pick,
+            stats: PlacementStats::default(),
+        }
+    }
+
     /// Fewest requests in flight or waiting; ties (every replica idle at once) go to the
     /// fewest sessions, so a burst spreads.
     fn least_loaded(snap: &Snapshot<'_>) -> Option<usize> {
@@ -310,7 +328,7 @@ impl Placer for Sticky {
         _: &Turn<'_>,
         _: &mut dyn FnMut(usize) -> u64,
     ) -> Option<Placed> {
-        let replica = Self::least_loaded(snap)?;
+        let replica = (self.pick)(snap)?;
         Some(placed_new(&mut self.stats, replica))
     }
 
@@ -321,7 +339,7 @@ impl Placer for Sticky {
         home: usize,
         _: &mut dyn FnMut() -> u64,
     ) -> Option<Placed> {
-        sticky_or(&mut self.stats, snap, home, || Self::least_loaded(snap))
+        sticky_or(&mut self.stats, snap, home, || (self.pick)(snap))
     }
 
     fn stats(&self) -> PlacementStats {

@@ -23,7 +23,7 @@
 //! A policy that has nowhere to put a session (every replica down) fails the run.
 use crate::gate::placement::{Placed, PlacementStats};
 pub(crate) use crate::gate::routers::{Placer, Snapshot, Turn};
-use crate::gate::routers::{Router, argmin, counted, placed_new, sticky_or};
+use crate::gate::routers::{Router, Sticky, argmin, counted, placed_new};
 
 /// The policies by name, as `--placement` spells them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,7 +72,7 @@ impl PlacementKind {
             Self::Hash => Router::Hash.build(replicas),
             Self::StickyLeastLoaded => Router::StickyLeastLoaded.build(replicas),
             Self::CacheAware => Box::new(CacheAware::new(replicas, sessions)),
-            Self::Thunder => Box::new(Thunder::default()),
+            Self::Thunder => Box::new(Sticky::new(thunder_pick)),
             Self::Gate => Router::Gate.build(replicas),
         }
     }
@@ -165,46 +165,14 @@ impl Placer for CacheAware {
     }
 }
 
-/// ThunderAgent's token-capacity placement (module docs).
-#[derive(Debug, Default)]
-struct Thunder {
-    stats: PlacementStats,
-}
-
 /// ThunderAgent's `buffer_per_program` (tokens counted per live program).
 const THUNDER_BUFFER: u64 = 100;
 
-impl Thunder {
-    fn pick(snap: &Snapshot<'_>) -> Option<usize> {
-        argmin(snap.views, |r| {
-            let used = snap.tokens[r] + THUNDER_BUFFER * u64::from(snap.views[r].sessions);
-            std::cmp::Reverse(snap.capacity_tokens[r] as i64 - used as i64)
-        })
-    }
-}
-
-impl Placer for Thunder {
-    fn place_new(
-        &mut self,
-        snap: &Snapshot<'_>,
-        _: &Turn<'_>,
-        _: &mut dyn FnMut(usize) -> u64,
-    ) -> Option<Placed> {
-        let replica = Self::pick(snap)?;
-        Some(placed_new(&mut self.stats, replica))
-    }
-
-    fn place_returning(
-        &mut self,
-        snap: &Snapshot<'_>,
-        _: &Turn<'_>,
-        home: usize,
-        _: &mut dyn FnMut() -> u64,
-    ) -> Option<Placed> {
-        sticky_or(&mut self.stats, snap, home, || Self::pick(snap))
-    }
-
-    fn stats(&self) -> PlacementStats {
-        self.stats
-    }
+/// ThunderAgent's token-capacity placement (module docs): the replica with the most capacity
+/// left in counted tokens; sticky after ([`Sticky`]).
+fn thunder_pick(snap: &Snapshot<'_>) -> Option<usize> {
+    argmin(snap.views, |r| {
+        let used = snap.tokens[r] + THUNDER_BUFFER * u64::from(snap.views[r].sessions);
+        std::cmp::Reverse(snap.capacity_tokens[r] as i64 - used as i64)
+    })
 }
