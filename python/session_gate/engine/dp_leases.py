@@ -57,6 +57,17 @@ def merge_renewals(answers: list[Any]) -> Any:
     return merged
 
 
+async def each_rank(client: Any, method: str, *args: Any) -> list[Any]:
+    """``method`` on every engine core of a DP engine client, one answer per rank in rank
+    order."""
+    engines = client.core_engines
+    return list(
+        await asyncio.gather(
+            *(client._call_utility_async(method, *args, engine=engine) for engine in engines)
+        )
+    )
+
+
 async def call(client: Any, method: str, *args: Any) -> Any:
     """A lease door's ``method`` on a DP engine client (the module docstring)."""
     engines = client.core_engines
@@ -77,7 +88,7 @@ async def call(client: Any, method: str, *args: Any) -> Any:
     if method == "session_gate_release":
         rank, lease = decode_lease(args[0], ranks)
         return await on(rank, lease, *args[1:])
-    answers = await asyncio.gather(*(on(rank, *args) for rank in range(ranks)))
+    answers = await each_rank(client, method, *args)
     if method == "session_gate_renew":
-        return merge_renewals(list(answers))
+        return merge_renewals(answers)
     return any(answers) if all(isinstance(a, bool) for a in answers) else answers[0]

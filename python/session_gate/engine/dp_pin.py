@@ -94,6 +94,10 @@ class SessionPins:
         self._ranks.pop(session_id, None)
         self.put(session_id, rank)
 
+    def sessions_by_rank(self) -> Counter[int]:
+        """How many sessions are pinned to each rank."""
+        return Counter(self._ranks.values())
+
     def forget(self, session_id: str) -> bool:
         """Drops the session's pin; False if it had none."""
         if self._ranks.pop(session_id, None) is None:
@@ -301,7 +305,7 @@ def least_loaded(client: Any, state: _ClientPins | None = None) -> int:
     counts = getattr(client, "lb_engines", None) or []
     inflight = getattr(client, "engine_inflight", None) or {}
     client_count = int(getattr(client, "client_count", 1))
-    pinned = Counter(state.pins._ranks.values()) if state is not None else Counter()
+    pinned = state.pins.sessions_by_rank() if state is not None else Counter()
 
     def load(rank: int) -> tuple[float, int, int]:
         waiting_running = sum(counts[rank][:2]) if rank < len(counts) else 0

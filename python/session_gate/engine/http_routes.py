@@ -40,7 +40,6 @@ with it exactly as vLLM guards ``/v1`` (``auth``): 401 ``{"error": "Unauthorized
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from argparse import Namespace
@@ -135,20 +134,12 @@ class _Routes:
 
     async def call_each(self, method: str, *args: Any) -> list[Any]:
         """``method`` on every engine core, one answer per DP rank in rank order (one answer
-        without data parallelism). Only for methods that change nothing (stats): the lease
-        doors' methods are refused on several engines, as by :meth:`call`."""
+        without data parallelism). Only for methods that change nothing (stats): a lease
+        door's method goes through :meth:`call`, to the one rank it is about."""
         if method in LEASE_METHODS or not self.several_engines:
             return [await self.call(method, *args)]
-        client = self.engine_client.engine_core
         try:
-            return list(
-                await asyncio.gather(
-                    *(
-                        client._call_utility_async(method, *args, engine=engine)
-                        for engine in client.core_engines
-                    )
-                )
-            )
+            return await dp_leases.each_rank(self.engine_client.engine_core, method, *args)
         except Exception as exc:  # the engine's failure message, as an Exception
             raise _engine_failure(exc) from exc
 

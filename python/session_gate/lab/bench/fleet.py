@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,11 +234,7 @@ def run_through_proxy(cluster: Cluster, workload: Workload, placement: str) -> d
             finally:
                 await engine.aclose()
 
-        try:
-            result = asyncio.run(drive())
-        except Exception:
-            print(log_tails(cluster), file=sys.stderr, flush=True)
-            raise
+        result = run_or_show_logs(cluster, drive)
         text = get_text(f"{cluster.proxy_url}/metrics")
     finally:
         cluster.stop_proxy()
@@ -276,6 +272,16 @@ def log_tails(cluster: Cluster, lines: int = 40) -> str:
     return "\n".join(out)
 
 
+def run_or_show_logs(cluster: Cluster, drive: Callable[[], Awaitable[ModeResult]]) -> ModeResult:
+    """Runs ``drive()`` to its result; a failure prints the cluster's log tails first (its work
+    directory, logs included, goes when the cluster stops)."""
+    try:
+        return asyncio.run(drive())
+    except Exception:
+        print(log_tails(cluster), file=sys.stderr, flush=True)
+        raise
+
+
 def run_hashed(cluster: Cluster, workload: Workload) -> dict[str, Any]:
     """One run of ``workload`` with no gate: each session straight to the replica its id
     hashes to."""
@@ -297,11 +303,7 @@ def run_hashed(cluster: Cluster, workload: Workload) -> dict[str, Any]:
             for engine in engines:
                 await engine.aclose()
 
-    try:
-        result = asyncio.run(drive())
-    except Exception:
-        print(log_tails(cluster), file=sys.stderr, flush=True)
-        raise
+    result = run_or_show_logs(cluster, drive)
     summary = fleet_summary(result, counts)
     summary["placements"] = {}
     summary["moves"] = 0
