@@ -440,3 +440,50 @@ fn a_waiting_returning_turn_moves_only_when_cold() {
     assert_eq!((placed.replica, placed.reason), (1, PlaceReason::ColdMove));
     assert_eq!(p.stats().cold_move, 1);
 }
+
+#[test]
+fn may_move_waiting_says_yes_whenever_some_home_hit_would_move_and_counts_nothing() {
+    let p = policy();
+    let scenes: [[ReplicaView; 2]; 4] = [
+        [busy_home(), idle()],
+        [
+            busy_home(),
+            ReplicaView {
+                queued: 1,
+                ..idle()
+            },
+        ],
+        [
+            ReplicaView {
+                queued: 1,
+                ..busy_home()
+            },
+            idle(),
+        ],
+        [
+            busy_home(),
+            ReplicaView {
+                sessions: 9,
+                ..idle()
+            },
+        ],
+    ];
+    for views in &scenes {
+        for first in [true, false] {
+            let may = p.may_move_waiting(views, &TURN, 0, first, |_| 10);
+            // Any home hit that moves the turn implies `may`; a cold home (hit 0) moves it
+            // exactly when `may` says so.
+            for hit in [0, 10, 40, 70, 100] {
+                let moved = p
+                    .clone()
+                    .place_waiting(views, &TURN, 0, hit, first, |_| 10)
+                    .is_some();
+                assert!(!moved || may, "{views:?} first {first} hit {hit}");
+                if hit == 0 {
+                    assert_eq!(moved, may, "{views:?} first {first}");
+                }
+            }
+        }
+    }
+    assert_eq!(p.stats(), Default::default());
+}

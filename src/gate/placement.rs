@@ -369,8 +369,44 @@ impl Placement {
         home: usize,
         home_hit: u64,
         first: bool,
-        mut shared_hit: impl FnMut(usize) -> u64,
+        shared_hit: impl FnMut(usize) -> u64,
     ) -> Option<Placed> {
+        let replica = self.waiting_target(views, session, home, home_hit, first, shared_hit)?;
+        let reason = if first {
+            PlaceReason::NewMove
+        } else {
+            PlaceReason::ColdMove
+        };
+        self.stats.count(reason);
+        Some(Placed { replica, reason })
+    }
+
+    /// Whether [`Placement::place_waiting`] could move the turn whatever is resident at home:
+    /// the answer for `home_hit` 0, since more resident at home only keeps it there (its own
+    /// blocks make it resident; a larger hit lowers home's delay). Asks nothing, counts
+    /// nothing: the caller probes home only when this says yes.
+    pub fn may_move_waiting(
+        &self,
+        views: &[ReplicaView],
+        session: &SessionView,
+        home: usize,
+        first: bool,
+        shared_hit: impl FnMut(usize) -> u64,
+    ) -> bool {
+        self.waiting_target(views, session, home, 0, first, shared_hit)
+            .is_some()
+    }
+
+    /// The replica [`Placement::place_waiting`] moves the turn to, uncounted.
+    fn waiting_target(
+        &self,
+        views: &[ReplicaView],
+        session: &SessionView,
+        home: usize,
+        home_hit: u64,
+        first: bool,
+        mut shared_hit: impl FnMut(usize) -> u64,
+    ) -> Option<usize> {
         let own = session.prompt_blocks.saturating_sub(session.shared_blocks);
         let own_hit = home_hit.saturating_sub(session.shared_blocks);
         if !first && own > 0 && own_hit as f64 >= self.config.resident_fraction * own as f64 {
@@ -412,14 +448,7 @@ impl Placement {
                 best = Some((backlog, load, hit, r));
             }
         }
-        let (_, _, _, replica) = best?;
-        let reason = if first {
-            PlaceReason::NewMove
-        } else {
-            PlaceReason::ColdMove
-        };
-        self.stats.count(reason);
-        Some(Placed { replica, reason })
+        best.map(|(_, _, _, replica)| replica)
     }
 
     /// Where session's next turn goes, its home being `home` with `home_hit` of its prompt

@@ -57,6 +57,33 @@ pub(crate) trait Placer: Send + std::fmt::Debug {
         home_hit: &mut dyn FnMut() -> u64,
     ) -> Option<Placed>;
 
+    /// Whether a turn waiting for admission at `home` could move, before anything is asked
+    /// of home (only `gate` moves waiting turns: [`Placement::may_move_waiting`]).
+    fn may_move_waiting(
+        &self,
+        _snap: &Snapshot<'_>,
+        _turn: &Turn<'_>,
+        _home: usize,
+        _first: bool,
+        _shared_hit: &mut dyn FnMut(usize) -> u64,
+    ) -> bool {
+        false
+    }
+
+    /// Where a turn waiting for admission at `home` goes instead, or `None` to leave it
+    /// ([`Placement::place_waiting`]; only `gate` moves waiting turns).
+    fn place_waiting(
+        &mut self,
+        _snap: &Snapshot<'_>,
+        _turn: &Turn<'_>,
+        _home: usize,
+        _home_hit: u64,
+        _first: bool,
+        _shared_hit: &mut dyn FnMut(usize) -> u64,
+    ) -> Option<Placed> {
+        None
+    }
+
     /// Decisions counted by reason.
     fn stats(&self) -> PlacementStats;
 
@@ -191,6 +218,31 @@ impl Placer for Placement {
             0
         };
         Placement::place_returning(self, snap.views, &turn.view, home, hit)
+    }
+
+    fn may_move_waiting(
+        &self,
+        snap: &Snapshot<'_>,
+        turn: &Turn<'_>,
+        home: usize,
+        first: bool,
+        shared_hit: &mut dyn FnMut(usize) -> u64,
+    ) -> bool {
+        Placement::may_move_waiting(self, snap.views, &turn.view, home, first, shared_hit)
+    }
+
+    fn place_waiting(
+        &mut self,
+        snap: &Snapshot<'_>,
+        turn: &Turn<'_>,
+        home: usize,
+        home_hit: u64,
+        first: bool,
+        shared_hit: &mut dyn FnMut(usize) -> u64,
+    ) -> Option<Placed> {
+        Placement::place_waiting(
+            self, snap.views, &turn.view, home, home_hit, first, shared_hit,
+        )
     }
 
     fn stats(&self) -> PlacementStats {

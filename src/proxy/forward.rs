@@ -30,10 +30,11 @@ use super::metrics::Outcome;
 use super::placing;
 use super::placing::Grade;
 use super::replica_gate::{AdmitError, ReplicaLease};
-use super::replicas::{self, Awaiting, Health, InFlight, Placing, Replica, Route};
+use super::replicas::{self, Health, InFlight, Placing, Replica, Route};
 use super::upstream::{self, is_hop_header, never_sent, post_request};
+use super::waiting::{self, Admission};
 use crate::gate::Probe;
-use crate::gate::placement::{self, PlaceReason};
+use crate::gate::placement;
 use crate::gate::routers::Router;
 
 /// Keys of a chat body that change its tokenization (sent to vLLM's `/tokenize`).
@@ -336,7 +337,11 @@ async fn serve_turn(proxy: &Arc<Proxy>, t: Turn<'_>) -> Response {
     let mut last_failure = String::new();
     // The prompt's ids and the replica that tokenized them.
     let mut prompt: Option<(Vec<u32>, usize)> = None;
-    for _ in 0..=proxy.replicas.snapshot().len() * 2 {
+    // Where the turn moved while it waited for admission, to be admitted there instead.
+    let mut moved: Option<Spot> = None;
+    let mut moves = 0;
+    let mut attempts = 0;
+    while attempts <= proxy.replicas.snapshot().len() * 2 {
         let Some(index) = prompt
             .as_ref()
             .map(|p| p.1)
@@ -349,6 +354,7 @@ async fn serve_turn(proxy: &Arc<Proxy>, t: Turn<'_>) -> Response {
                 Ok(ids) => prompt = Some((ids, index)),
                 Err(Attempt::Done(response)) => return response,
                 Err(Attempt::NotSent(why)) => {
+                    attempts += 1;
                     last_failure = why;
                     continue;
                 }
@@ -357,12 +363,17 @@ async fn serve_turn(proxy: &Arc<Proxy>, t: Turn<'_>) -> Response {
         let Some((ids, tokenized_on)) = &prompt else {
             continue;
         };
-        let Some(route) = place_turn(proxy, t, ids).await else {
-            return no_replica(proxy, t.kind);
+        let spot = match moved.take() {
+            Some(spot) => spot,
+            None => match place_turn(proxy, t, ids).await {
+                Some(spot) => spot,
+                None => return no_replica(proxy, t.kind),
+            },
         };
+        let route = &spot.route;
         let replica = proxy.replicas.get(route.index);
         // Counted as waiting there (placement's queue and backlog) until the gate answers.
-        let waiting = replica.awaiting_admission(route.reason == Some(PlaceReason::New));
+        let waiting = replica.awaiting_admission(route.is_first());
         if let Some(from) = route.moved_from {
             leave_replica(proxy, from, t.session);
         }
@@ -371,15 +382,31 @@ async fn serve_turn(proxy: &Arc<Proxy>, t: Turn<'_>) -> Response {
                 Ok(ids) => prompt = Some((ids, route.index)),
                 Err(Attempt::Done(response)) => return response,
                 Err(Attempt::NotSent(why)) => {
+                    attempts += 1;
                     last_failure = why;
                     continue;
                 }
             }
         }
         let ids = prompt.as_ref().map_or(&[][..], |p| &p.0[..]);
-        match gated(proxy, &replica, t, ids, route, waiting).await {
+        // A turn moves at most once per replica: a move goes only to a replica that would
+        // admit it now, so a second one is rare and a third a sign of churn.
+        let may_move = moves < proxy.replicas.snapshot().len();
+        let admitted = match waiting::admit_or_move(proxy, &replica, t, ids, &spot, may_move).await
+        {
+            Admission::Moved(next) => {
+                moves += 1;
+                drop(waiting);
+                moved = Some(next);
+                continue;
+            }
+            Admission::Answered(admitted) => admitted,
+        };
+        drop(waiting);
+        match gated(proxy, &replica, t, admitted, spot.route).await {
             Attempt::Done(response) => return response,
             Attempt::NotSent(why) => {
+                attempts += 1;
                 replica.mark_unhealthy(&why);
                 last_failure = why;
             }
@@ -420,7 +447,7 @@ async fn tokenize(proxy: &Arc<Proxy>, index: usize, t: Turn<'_>) -> Result<Vec<u
 /// about again when a turn is admitted or finishes, a replica's health or the list changes, or
 /// every `wait_poll_sec`; held `max_wait_sec` (the gate's), it goes where it would go were no
 /// replica backlogged. `None`: no replica is up.
-async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Option<Route> {
+async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Option<Spot> {
     let gate = &proxy.config.gate;
     let max_tokens = t.max_tokens.unwrap_or(gate.default_max_tokens);
     let mut view = placing::session_view(prompt_ids.len(), max_tokens, proxy.replicas.block_size());
@@ -443,7 +470,10 @@ async fn place_turn(proxy: &Arc<Proxy>, t: Turn<'_>, prompt_ids: &[u32]) -> Opti
             .replicas
             .place(t.session, &view, home_hit, lookup, past)
         {
-            Placing::Route(route) => return Some(route),
+            Placing::Route(route) => {
+                let hits = found.map(|(_, hits)| hits).unwrap_or_default();
+                return Some(Spot { route, view, hits });
+            }
             Placing::NoReplica => return None,
             Placing::Hold => {
                 let wake = deadline.map_or(poll, |d| {
@@ -498,7 +528,7 @@ async fn find_home(
 /// The prompt blocks of a returning session resident on its home: all of them while its gate
 /// in this proxy holds the session's reservation, else what the home's prefix probe finds (0
 /// when it cannot tell, or the home is not healthy: placement moves it or counts it cold).
-async fn home_hit(
+pub(super) async fn home_hit(
     proxy: &Proxy,
     session: &str,
     prompt_ids: &[u32],
@@ -577,26 +607,37 @@ fn leave_replica(proxy: &Arc<Proxy>, index: usize, session: &str) {
 
 /// One gated request, as the handler read it.
 #[derive(Clone, Copy)]
-struct Turn<'a> {
-    session: &'a str,
+pub(super) struct Turn<'a> {
+    pub(super) session: &'a str,
     kind: Kind,
     path: &'a str,
     method: &'a Method,
     headers: &'a HeaderMap,
     body: &'a Bytes,
     request: &'a Value,
-    max_tokens: Option<usize>,
+    pub(super) max_tokens: Option<usize>,
     started: Instant,
 }
 
-/// One attempt of a gated turn on the replica placement chose: acquire its gate, forward.
+/// Where placement put a turn, and what it read of the turn to decide (kept to ask again
+/// while the turn waits for admission: [`waiting::admit_or_move`]).
+pub(super) struct Spot {
+    pub(super) route: Route,
+    /// The turn's blocks as placement saw them.
+    pub(super) view: placement::SessionView,
+    /// Per replica, the leading blocks of the prompt resident there when a session this proxy
+    /// had not seen was looked for ([`find_home`]); empty otherwise.
+    pub(super) hits: Vec<Option<u64>>,
+}
+
+/// One attempt of a gated turn on the replica placement chose, its gate's answer in: forward
+/// it when admitted, else the client's error.
 async fn gated(
     proxy: &Arc<Proxy>,
     replica: &Arc<Replica>,
     t: Turn<'_>,
-    prompt_ids: &[u32],
+    admitted: Result<ReplicaLease, AdmitError>,
     route: Route,
-    waiting: Awaiting,
 ) -> Attempt {
     // Nothing of the turn reached this replica's vLLM (admit could not be done there): counted
     // as rerouted, and the caller places it again.
@@ -604,11 +645,6 @@ async fn gated(
         rerouted(proxy, replica, t.kind);
         Attempt::NotSent(why)
     };
-    let admitted = proxy
-        .replica_gate
-        .admit(replica, t.session, prompt_ids, t.max_tokens)
-        .await;
-    drop(waiting);
     let lease = match admitted {
         Ok(lease) => lease,
         Err(AdmitError::NotSent(why)) => return rerouted(why),
@@ -1087,7 +1123,9 @@ impl Drop for Tracked {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gate::placement::PlaceReason;
     use crate::proxy::config::{ProxyArgs, ProxyConfig};
+    use crate::proxy::replicas::Awaiting;
 
     /// A proxy over two replicas nobody listens on (nothing here connects to them).
     fn proxy(wait_poll_sec: f64, max_wait_sec: Option<f64>) -> Arc<Proxy> {
@@ -1136,7 +1174,7 @@ mod tests {
             max_tokens: Some(16),
             started: Instant::now(),
         };
-        place_turn(proxy, t, &[7; 64]).await
+        place_turn(proxy, t, &[7; 64]).await.map(|spot| spot.route)
     }
 
     #[tokio::test]

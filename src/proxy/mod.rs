@@ -36,6 +36,7 @@ pub mod replicas_dns;
 pub mod replicas_file;
 pub mod upstream;
 pub mod usage_cache;
+mod waiting;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -11,7 +11,9 @@
 //! where it would be admitted soonest, or is held (late binding) while every replica has its
 //! backlog of new sessions; a returning session stays home while its prefix is resident there,
 //! and moves when it is cold and another replica would admit it sooner, or when its home is
-//! slow, down, or no longer listed.
+//! slow, down, or no longer listed; a turn waiting for admission with nothing of its own cached
+//! where it waits moves where it would be admitted now ([`Replicas::place_waiting`], driven by
+//! `super::waiting`).
 //!
 //! Unhealthy has two grades. A replica that could not be connected to (by a request or a health
 //! check) is *unreachable*: down until a health check passes. One that only missed a health
@@ -264,6 +266,14 @@ pub struct Route {
     pub reason: Option<PlaceReason>,
 }
 
+impl Route {
+    /// Whether this is its session's first turn, placed as a new session (counted in the
+    /// replica's backlog of new sessions while it waits).
+    pub fn is_first(&self) -> bool {
+        matches!(self.reason, Some(PlaceReason::New | PlaceReason::NewMove))
+    }
+}
+
 /// What placement answered for a turn.
 #[derive(Debug, Clone)]
 pub enum Placing {
@@ -435,20 +445,9 @@ impl Replicas {
         let mut placer = self.placer();
         placer.pinned.resize(list.len(), 0);
         let views = Self::views(&list, &placer.pinned, ignore_backlog);
-        let load: Vec<u32> = list.iter().map(|r| r.load()).collect();
-        let snap = Snapshot {
-            views: &views,
-            load: &load,
-            tokens: &[],
-            capacity_tokens: &[],
-        };
-        let routed = routers::Turn {
-            session_id,
-            session: 0,
-            prompt_tokens: 0,
-            system_tokens: 0,
-            view: *turn,
-        };
+        let load = Self::loads(&list);
+        let snap = Self::snap(&views, &load);
+        let routed = Self::routed(session_id, turn);
         let home = placer.sessions.get(session_id).map(|s| s.replica);
         let placed = match (home, lookup) {
             (None, Some((Lookup::Home(r), _))) if views.get(r).is_some_and(|v| v.up) => {
@@ -506,6 +505,107 @@ impl Replicas {
             moved_from: home.filter(|&h| h != to),
             reason: Some(placed.reason),
         })
+    }
+
+    /// Whether a turn of `session_id` waiting for admission at `home` could move under this
+    /// proxy's policy, whatever is resident at home (nothing is asked of a replica:
+    /// [`routers::Placer::may_move_waiting`]); `first`: its session's first turn; `hits`: per
+    /// replica, its shared blocks resident there, where known.
+    pub fn may_move_waiting(
+        &self,
+        session_id: &str,
+        turn: &SessionView,
+        home: usize,
+        first: bool,
+        hits: &[Option<u64>],
+    ) -> bool {
+        let list = self.snapshot();
+        let mut placer = self.placer();
+        placer.pinned.resize(list.len(), 0);
+        let views = Self::views(&list, &placer.pinned, false);
+        let load = Self::loads(&list);
+        let mut shared_hit = |r: usize| hits.get(r).copied().flatten().unwrap_or(0);
+        placer.placement.may_move_waiting(
+            &Self::snap(&views, &load),
+            &Self::routed(session_id, turn),
+            home,
+            first,
+            &mut shared_hit,
+        )
+    }
+
+    /// Moves a turn of `session_id` waiting for admission at `home` (`home_hit` of its prompt
+    /// blocks resident there) where the policy says ([`routers::Placer::place_waiting`]): the
+    /// session's home, and its pin, go with it. `None`: it stays, or the session's home is no
+    /// longer `home` (another of its turns moved it).
+    pub fn place_waiting(
+        &self,
+        session_id: &str,
+        turn: &SessionView,
+        home: usize,
+        home_hit: u64,
+        first: bool,
+        hits: &[Option<u64>],
+    ) -> Option<Route> {
+        let list = self.snapshot();
+        let mut placer = self.placer();
+        placer.pinned.resize(list.len(), 0);
+        if placer.sessions.get(session_id).map(|s| s.replica) != Some(home) {
+            return None;
+        }
+        let views = Self::views(&list, &placer.pinned, false);
+        let load = Self::loads(&list);
+        let mut shared_hit = |r: usize| hits.get(r).copied().flatten().unwrap_or(0);
+        let placed = placer.placement.place_waiting(
+            &Self::snap(&views, &load),
+            &Self::routed(session_id, turn),
+            home,
+            home_hit,
+            first,
+            &mut shared_hit,
+        )?;
+        let to = placed.replica;
+        placer.unpin(home);
+        placer.pinned[to] += 1;
+        let sticky = placer.sessions.get_mut(session_id)?;
+        sticky.replica = to;
+        sticky.last_seen = Instant::now();
+        let turn_index = sticky.turns;
+        if first {
+            list[to].new_waiting.fetch_add(1, Ordering::Relaxed);
+        }
+        Some(Route {
+            index: to,
+            turn: turn_index,
+            moved_from: Some(home),
+            reason: Some(placed.reason),
+        })
+    }
+
+    /// Per replica, the requests of this proxy waiting or in flight there (the routers' load).
+    fn loads(list: &[Arc<Replica>]) -> Vec<u32> {
+        list.iter().map(|r| r.load()).collect()
+    }
+
+    /// The policy's snapshot of `views` and `load` (the twin-only facts left empty).
+    fn snap<'a>(views: &'a [ReplicaView], load: &'a [u32]) -> Snapshot<'a> {
+        Snapshot {
+            views,
+            load,
+            tokens: &[],
+            capacity_tokens: &[],
+        }
+    }
+
+    /// The policy's view of a turn of `session_id`.
+    fn routed<'a>(session_id: &'a str, turn: &SessionView) -> routers::Turn<'a> {
+        routers::Turn {
+            session_id,
+            session: 0,
+            prompt_tokens: 0,
+            system_tokens: 0,
+            view: *turn,
+        }
     }
 
     /// Placements and moves by reason so far, and how many held sessions were placed past the
@@ -697,11 +797,111 @@ mod tests {
         match r.place(session, &turn(), home_hit, None, false) {
             Placing::Route(route) => {
                 let replica = r.get(route.index);
-                drop(replica.awaiting_admission(route.reason == Some(PlaceReason::New)));
+                drop(replica.awaiting_admission(route.is_first()));
                 Some(route)
             }
             Placing::Hold => panic!("held"),
             Placing::NoReplica => None,
+        }
+    }
+
+    /// Places a turn and keeps it waiting for admission there (the guard the proxy holds).
+    fn waiting(r: &Replicas, session: &str) -> (Route, Awaiting) {
+        match r.place(session, &turn(), 0, None, false) {
+            Placing::Route(route) => {
+                let guard = r.get(route.index).awaiting_admission(route.is_first());
+                (route, guard)
+            }
+            other => panic!("{session}: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_first_turn_waiting_behind_another_moves_to_a_replica_that_would_admit_it_now() {
+        let r = replicas(2);
+        // Both new sessions go where nothing waits: one on each replica.
+        let (a, _a_wait) = waiting(&r, "a");
+        let (b, b_wait) = waiting(&r, "b");
+        assert_ne!(a.index, b.index);
+        // A third waits behind one of them (a tie: the lowest index, `a`'s).
+        let (c, c_wait) = waiting(&r, "c");
+        let home = c.index;
+        assert_eq!(home, a.index);
+        // While `b` waits on the other replica, nothing would admit `c` sooner there.
+        assert!(!r.may_move_waiting("c", &turn(), home, true, &[]));
+        assert!(r.place_waiting("c", &turn(), home, 0, true, &[]).is_none());
+        // `b` is admitted: the other replica's queue is empty, and `c` goes there.
+        drop(b_wait);
+        assert!(r.may_move_waiting("c", &turn(), home, true, &[]));
+        let moved = r.place_waiting("c", &turn(), home, 0, true, &[]).unwrap();
+        assert_eq!(moved.index, b.index);
+        assert_eq!(moved.moved_from, Some(home));
+        assert_eq!(moved.reason, Some(PlaceReason::NewMove));
+        assert!(moved.is_first());
+        assert_eq!(moved.turn, c.turn, "a move is the same turn");
+        assert_eq!(r.session_replica("c"), Some(b.index), "its home follows");
+        // It counts in the new replica's backlog of new sessions from the move on.
+        assert_eq!(r.get(b.index).new_waiting.load(Ordering::Relaxed), 1);
+        drop(c_wait);
+        let (stats, _) = r.placement_stats();
+        assert_eq!(stats.new_move, 1, "{stats:?}");
+        // Asked again from its old home, nothing moves (the session is no longer there).
+        assert!(r.place_waiting("c", &turn(), home, 0, true, &[]).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_waiting_returning_turn_moves_only_when_cold_at_home() {
+        let r = replicas(2);
+        let first = route(&r, "s", 0).unwrap();
+        let home = first.index;
+        // Its next turn waits at home behind another session's turn.
+        let (_queued, _q_wait) = loop {
+            let (route, guard) = waiting(&r, &format!("x{}", r.placement_stats().0.new));
+            if route.index == home {
+                break (route, guard);
+            }
+        };
+        let Placing::Route(next) = r.place("s", &turn(), turn().prompt_blocks, None, false) else {
+            panic!("s");
+        };
+        assert_eq!(
+            (next.index, next.reason),
+            (home, Some(PlaceReason::Resident))
+        );
+        let _s_wait = r.get(home).awaiting_admission(false);
+        // The sessions placed on the other replica were admitted: its queue is empty.
+        assert_eq!(r.get(1 - home).queued.load(Ordering::Relaxed), 0);
+        assert!(r.may_move_waiting("s", &turn(), home, false, &[]));
+        // Resident at home: it stays, though the other replica would admit it now.
+        let resident = turn().prompt_blocks;
+        assert!(
+            r.place_waiting("s", &turn(), home, resident, false, &[])
+                .is_none()
+        );
+        // Evicted at home while it waited: it moves, counted as a cold move.
+        let moved = r.place_waiting("s", &turn(), home, 0, false, &[]).unwrap();
+        assert_eq!(moved.reason, Some(PlaceReason::ColdMove));
+        assert!(!moved.is_first());
+        assert_eq!(r.session_replica("s"), Some(1 - home));
+        assert_eq!(r.placement_stats().0.cold_move, 1);
+    }
+
+    #[tokio::test]
+    async fn only_placement_gate_moves_waiting_turns() {
+        for placement in ["hash", "sticky-least-loaded"] {
+            let r = replicas_with(2, placement);
+            let (a, _a_wait) = waiting(&r, "a");
+            let (_b, _b_wait) = waiting(&r, "b");
+            let _more = r.get(a.index).awaiting_admission(false);
+            assert!(
+                !r.may_move_waiting("a", &turn(), a.index, true, &[]),
+                "{placement}"
+            );
+            assert!(
+                r.place_waiting("a", &turn(), a.index, 0, true, &[])
+                    .is_none(),
+                "{placement}"
+            );
         }
     }
 
