@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 from conftest import gate_stats, proxy_binary, served_multi_api
+from dp_ranks import complete, gated_by_rank, history, served_by_rank, served_rank
 from session_gate.lab.engine.serve import start_proxy, stop
 
 SESSIONS = [f"dp-session-{i}" for i in range(6)]
@@ -34,56 +35,6 @@ def url():
         env={"SESSION_GATE_SCHEDULER": "session-id"},
     ) as base:
         yield base
-
-
-def served_by_rank(url: str) -> dict[int, float]:
-    text = httpx.get(f"{url}/metrics", timeout=60).text
-    counts = {0: 0.0, 1: 0.0}
-    for line in text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            rank = int(re.search(r'engine="(\d+)"', line).group(1))
-            counts[rank] += float(line.rsplit(" ", 1)[1])
-    return counts
-
-
-def complete(
-    url: str, prompt: str, session_id: str | None = None, in_body: bool = False, **headers: str
-) -> int:
-    """One completion on a new connection, its session id in the ``x-session-id`` header (or
-    the body's ``session_id``); returns the DP rank that served it."""
-    before = served_by_rank(url)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 2}
-    if session_id is not None and in_body:
-        body["session_id"] = session_id
-    elif session_id is not None:
-        headers["x-session-id"] = session_id
-    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
-    assert r.status_code == 200, r.text
-    return served_rank(url, before)
-
-
-def served_rank(url: str, before: dict[int, float]) -> int:
-    """The rank whose ``vllm:request_success_total`` rose by the one request sent since
-    ``before`` was read."""
-    deadline = time.monotonic() + 30
-    while True:
-        after = served_by_rank(url)
-        grew = [rank for rank in after if after[rank] > before[rank]]
-        if sum(after.values()) - sum(before.values()) >= 1:
-            assert len(grew) == 1, (before, after)
-            return grew[0]
-        assert time.monotonic() < deadline, f"no engine counted the request: {after}"
-        time.sleep(0.05)
-
-
-def history(session: str, turn: int) -> str:
-    """A session's prompt at ``turn``: its earlier turns' text, then the new one."""
-    return " ".join(f"{session} turn {t} says hello to the tools" for t in range(turn + 1))
-
-
-def gated_by_rank(url: str) -> list[int]:
-    """Session turns each rank's own gate (scheduler mode) gated, from the stats' ``ranks``."""
-    return [rank["scheduler"]["gated"] for rank in gate_stats(url)["ranks"]]
 
 
 def test_each_sessions_turns_reach_one_rank(url):
