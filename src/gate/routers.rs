@@ -27,6 +27,18 @@ pub(crate) struct Snapshot<'a> {
     pub capacity_tokens: &'a [u64],
 }
 
+impl<'a> Snapshot<'a> {
+    /// The facts the proxy has: `views` and `load`, the twin-only ones left empty.
+    pub(crate) fn of(views: &'a [ReplicaView], load: &'a [u32]) -> Self {
+        Self {
+            views,
+            load,
+            tokens: &[],
+            capacity_tokens: &[],
+        }
+    }
+}
+
 /// One session's turn as a policy reads it.
 pub(crate) struct Turn<'a> {
     pub session_id: &'a str,
@@ -115,6 +127,12 @@ impl Router {
             "gate" => Some(Self::Gate),
             _ => None,
         }
+    }
+
+    /// Whether it moves a turn that waits for admission (only `gate`:
+    /// [`Placement::place_waiting`]; the others decide once, at arrival).
+    pub fn moves_waiting_turns(self) -> bool {
+        self == Self::Gate
     }
 
     /// Its name.
@@ -425,15 +443,6 @@ mod tests {
         }
     }
 
-    fn snap<'a>(views: &'a [ReplicaView], load: &'a [u32]) -> Snapshot<'a> {
-        Snapshot {
-            views,
-            load,
-            tokens: &[],
-            capacity_tokens: &[],
-        }
-    }
-
     #[test]
     fn names_round_trip_and_unknown_is_none() {
         for name in Router::NAMES {
@@ -441,6 +450,10 @@ mod tests {
         }
         assert_eq!(Router::from_name("cache-aware"), None);
         assert_eq!(Router::default(), Router::Gate);
+        assert!(Router::Gate.moves_waiting_turns());
+        assert!(
+            !Router::Hash.moves_waiting_turns() && !Router::StickyLeastLoaded.moves_waiting_turns()
+        );
     }
 
     #[test]
@@ -457,7 +470,7 @@ mod tests {
         let mut ring = HashRing::new(4);
         let views = [view(true, 0); 4];
         let load = [0; 4];
-        let s = snap(&views, &load);
+        let s = Snapshot::of(&views, &load);
         let mut spread = [0; 4];
         for k in 0..400 {
             let id = format!("s{k}");
@@ -476,7 +489,7 @@ mod tests {
         let mut down = views;
         down[home].up = false;
         let moved = ring
-            .place_returning(&snap(&down, &load), &turn("x"), home, &mut || 0)
+            .place_returning(&Snapshot::of(&down, &load), &turn("x"), home, &mut || 0)
             .unwrap();
         assert_ne!(moved.replica, home);
         assert_eq!(moved.reason, PlaceReason::DownMove);
@@ -488,19 +501,19 @@ mod tests {
         let mut sticky = Sticky::default();
         let views = [view(true, 0), view(true, 0), view(true, 0)];
         let load = [3, 1, 2];
-        let s = snap(&views, &load);
+        let s = Snapshot::of(&views, &load);
         let first = sticky.place_new(&s, &turn("a"), &mut |_| 0).unwrap();
         assert_eq!(first.replica, 1);
         // Busier now, still home.
         let busier = [3, 9, 2];
         let again = sticky
-            .place_returning(&snap(&views, &busier), &turn("a"), 1, &mut || 0)
+            .place_returning(&Snapshot::of(&views, &busier), &turn("a"), 1, &mut || 0)
             .unwrap();
         assert_eq!((again.replica, again.reason), (1, PlaceReason::Resident));
         // Equal load: the fewest sessions.
         let views = [view(true, 2), view(true, 1), view(false, 0)];
         let tie = sticky
-            .place_new(&snap(&views, &[0, 0, 0]), &turn("b"), &mut |_| 0)
+            .place_new(&Snapshot::of(&views, &[0, 0, 0]), &turn("b"), &mut |_| 0)
             .unwrap();
         assert_eq!(tie.replica, 1);
         let stats = sticky.stats();

@@ -389,20 +389,21 @@ async fn serve_turn(proxy: &Arc<Proxy>, t: Turn<'_>) -> Response {
             }
         }
         let ids = prompt.as_ref().map_or(&[][..], |p| &p.0[..]);
-        // A turn moves at most once per replica: a move goes only to a replica that would
-        // admit it now, so a second one is rare and a third a sign of churn.
-        let may_move = moves < proxy.replicas.snapshot().len();
-        let admitted = match waiting::admit_or_move(proxy, &replica, t, ids, &spot, may_move).await
-        {
+        // Only `gate` moves waiting turns, and a turn at most once per replica: a move goes
+        // only to a replica that would admit it now, so a second one is rare and a third a
+        // sign of churn.
+        let may_move = proxy.replicas.policy().moves_waiting_turns()
+            && moves < proxy.replicas.snapshot().len();
+        let admission = waiting::admit_or_move(proxy, &replica, t, ids, &spot, may_move).await;
+        drop(waiting);
+        let admitted = match admission {
             Admission::Moved(next) => {
                 moves += 1;
-                drop(waiting);
                 moved = Some(next);
                 continue;
             }
             Admission::Answered(admitted) => admitted,
         };
-        drop(waiting);
         match gated(proxy, &replica, t, admitted, spot.route).await {
             Attempt::Done(response) => return response,
             Attempt::NotSent(why) => {

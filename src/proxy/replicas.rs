@@ -236,6 +236,20 @@ impl Placer {
     }
 }
 
+/// One placement decision's state: the replica list, the placer locked for the decision, and
+/// the views and loads the policy reads ([`Replicas::deciding`]).
+struct Deciding<'a> {
+    list: Vec<Arc<Replica>>,
+    placer: MutexGuard<'a, Placer>,
+    views: Vec<ReplicaView>,
+    load: Vec<u32>,
+}
+
+/// Per replica, the shared blocks `hits` says are resident there (0 where unknown).
+fn shared_hits(hits: &[Option<u64>]) -> impl FnMut(usize) -> u64 + '_ {
+    |r| hits.get(r).copied().flatten().unwrap_or(0)
+}
+
 /// The replicas and where sessions are.
 #[derive(Debug)]
 pub struct Replicas {
@@ -441,12 +455,13 @@ impl Replicas {
         lookup: Option<(Lookup, &[Option<u64>])>,
         ignore_backlog: bool,
     ) -> Placing {
-        let list = self.snapshot();
-        let mut placer = self.placer();
-        placer.pinned.resize(list.len(), 0);
-        let views = Self::views(&list, &placer.pinned, ignore_backlog);
-        let load = Self::loads(&list);
-        let snap = Self::snap(&views, &load);
+        let Deciding {
+            list,
+            mut placer,
+            views,
+            load,
+        } = self.deciding(ignore_backlog);
+        let snap = Snapshot::of(&views, &load);
         let routed = Self::routed(session_id, turn);
         let home = placer.sessions.get(session_id).map(|s| s.replica);
         let placed = match (home, lookup) {
@@ -459,8 +474,9 @@ impl Replicas {
             }
             (None, lookup) => {
                 let hits = lookup.map_or(&[][..], |(_, hits)| hits);
-                let mut shared_hit = |r: usize| hits.get(r).copied().flatten().unwrap_or(0);
-                placer.placement.place_new(&snap, &routed, &mut shared_hit)
+                placer
+                    .placement
+                    .place_new(&snap, &routed, &mut shared_hits(hits))
             }
             (Some(h), _) => placer
                 .placement
@@ -519,18 +535,13 @@ impl Replicas {
         first: bool,
         hits: &[Option<u64>],
     ) -> bool {
-        let list = self.snapshot();
-        let mut placer = self.placer();
-        placer.pinned.resize(list.len(), 0);
-        let views = Self::views(&list, &placer.pinned, false);
-        let load = Self::loads(&list);
-        let mut shared_hit = |r: usize| hits.get(r).copied().flatten().unwrap_or(0);
-        placer.placement.may_move_waiting(
-            &Self::snap(&views, &load),
+        let d = self.deciding(false);
+        d.placer.placement.may_move_waiting(
+            &Snapshot::of(&d.views, &d.load),
             &Self::routed(session_id, turn),
             home,
             first,
-            &mut shared_hit,
+            &mut shared_hits(hits),
         )
     }
 
@@ -547,22 +558,22 @@ impl Replicas {
         first: bool,
         hits: &[Option<u64>],
     ) -> Option<Route> {
-        let list = self.snapshot();
-        let mut placer = self.placer();
-        placer.pinned.resize(list.len(), 0);
+        let Deciding {
+            list,
+            mut placer,
+            views,
+            load,
+        } = self.deciding(false);
         if placer.sessions.get(session_id).map(|s| s.replica) != Some(home) {
             return None;
         }
-        let views = Self::views(&list, &placer.pinned, false);
-        let load = Self::loads(&list);
-        let mut shared_hit = |r: usize| hits.get(r).copied().flatten().unwrap_or(0);
         let placed = placer.placement.place_waiting(
-            &Self::snap(&views, &load),
+            &Snapshot::of(&views, &load),
             &Self::routed(session_id, turn),
             home,
             home_hit,
             first,
-            &mut shared_hit,
+            &mut shared_hits(hits),
         )?;
         let to = placed.replica;
         placer.unpin(home);
@@ -582,18 +593,19 @@ impl Replicas {
         })
     }
 
-    /// Per replica, the requests of this proxy waiting or in flight there (the routers' load).
-    fn loads(list: &[Arc<Replica>]) -> Vec<u32> {
-        list.iter().map(|r| r.load()).collect()
-    }
-
-    /// The policy's snapshot of `views` and `load` (the twin-only facts left empty).
-    fn snap<'a>(views: &'a [ReplicaView], load: &'a [u32]) -> Snapshot<'a> {
-        Snapshot {
+    /// The placer, locked, and what its policy reads: every replica's view (`ignore_backlog`
+    /// as for [`Replicas::place`]) and load (this proxy's requests waiting or in flight there).
+    fn deciding(&self, ignore_backlog: bool) -> Deciding<'_> {
+        let list = self.snapshot();
+        let mut placer = self.placer();
+        placer.pinned.resize(list.len(), 0);
+        let views = Self::views(&list, &placer.pinned, ignore_backlog);
+        let load = list.iter().map(|r| r.load()).collect();
+        Deciding {
+            list,
+            placer,
             views,
             load,
-            tokens: &[],
-            capacity_tokens: &[],
         }
     }
 
