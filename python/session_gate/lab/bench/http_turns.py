@@ -17,6 +17,12 @@ from session_gate.modes import Mode
 #: ``x-session-id`` header and for routing a turn by its session.
 SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("session", default=None)
 
+#: Seconds an idle pooled connection is reused: under the 5 s after which ``vllm serve``
+#: (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it. httpx's default is those same 5 s, so
+#: a request could be written on a connection the server was closing and fail with a
+#: ``ReadError`` (the proxy's pool, ``POOL_IDLE``, has the same bound for the same reason).
+KEEPALIVE_SEC = 4.0
+
 
 class HttpEngine:
     """What ``run_mode`` needs from an engine, over ``/v1/completions`` with token ids. With
@@ -34,7 +40,8 @@ class HttpEngine:
         self.session_header = session_header
         self.request_ids = request_ids
         self.run = run
-        self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=64))
+        limits = httpx.Limits(max_connections=64, keepalive_expiry=KEEPALIVE_SEC)
+        self.http = httpx.AsyncClient(timeout=None, limits=limits)
 
     async def generate(self, _: Any, prompt: list[int], max_tokens: int, request_id: str):
         body = {
