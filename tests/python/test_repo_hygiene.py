@@ -10,6 +10,9 @@ No engine needed: these read the files ``git ls-files`` lists.
 * Every relative link in the README and ``docs/`` points to a tracked file (and, for a link into
   a Markdown file, to a heading that exists), every ``make`` target they name exists, and every
   ``python -m`` module they name is in the package.
+* Every ``import vllm`` of the package lives in one folder (``session_gate/engine`` for the
+  product, ``session_gate/lab/engine`` for the lab), and every ``extern "C"`` of the crate in
+  ``src/ffi``.
 """
 
 from __future__ import annotations
@@ -179,3 +182,30 @@ def test_every_python_module_the_docs_name_exists():
             if not module_exists(module):
                 missing.append(f"{doc.relative_to(ROOT)}: {module}")
     assert not missing, "named modules that are not in python/:\n" + "\n".join(missing)
+
+
+VLLM_IMPORT = re.compile(r"^\s*(import vllm\b|from vllm\b)", re.MULTILINE)
+VLLM_FOLDERS = ("python/session_gate/engine/", "python/session_gate/lab/engine/")
+EXTERN_C = re.compile(r'^\s*(pub\s+)?(unsafe\s+)?extern\s+"C"', re.MULTILINE)
+
+
+def test_vllm_is_imported_in_one_folder_and_extern_c_declared_in_one():
+    files = tracked_files()
+    stray_imports = [
+        p
+        for p in files
+        if p.startswith("python/session_gate/")
+        and p.endswith(".py")
+        and not p.startswith(VLLM_FOLDERS)
+        and VLLM_IMPORT.search((ROOT / p).read_text())
+    ]
+    assert not stray_imports, f"import vllm outside {VLLM_FOLDERS}: {stray_imports}"
+    stray_externs = [
+        p
+        for p in files
+        if p.startswith("src/")
+        and p.endswith(".rs")
+        and not p.startswith("src/ffi/")
+        and EXTERN_C.search((ROOT / p).read_text())
+    ]
+    assert not stray_externs, f'extern "C" outside src/ffi/: {stray_externs}'

@@ -43,22 +43,13 @@ from typing import Any
 
 from session_gate import report, run_flags
 from session_gate.lab.bench.runner import SessionTokens, run_mode, system_prompt
+from session_gate.lab.engine import streaming
 from session_gate.modes import Mode
 from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import WORKLOADS, SessionSpec, Workload
 
 #: Seconds without any output, while a chunk is outstanding, after which a run is stalled.
 STALL_SEC = 60.0
-
-
-def _params(max_tokens: int) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    # DELTA: each output carries its new tokens; FINAL_ONLY is refused for streaming input.
-    return SamplingParams(
-        max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
-    )
 
 
 def _preemptions() -> int:
@@ -96,8 +87,6 @@ async def run_stream(
     ``max_sessions`` at once when non-zero) after resetting the prefix cache; the result has one
     ``TurnRecord`` per completed chunk. A stalled run (see the module docstring) returns the turns
     done, with ``gate_stats["stalled"]`` set."""
-    from vllm.engine.protocol import StreamingInput
-
     await llm.reset_prefix_cache()
     name = f"stream-cap{max_sessions}" if max_sessions else "stream"
     block = workload.engine.block_size
@@ -133,7 +122,7 @@ async def run_stream(
                 system_seen[0] = True
                 started = time.perf_counter()
                 outstanding[0] += 1
-                yield StreamingInput({"prompt_token_ids": new}, _params(turn.output))
+                yield streaming.chunk(new, turn.output)
                 output, reported = await finished.get()
                 outstanding[0] -= 1
                 cached = reported if t == 0 else kept
@@ -155,7 +144,9 @@ async def run_stream(
                 await asyncio.sleep(turn.tool_latency)
 
         count = 0
-        async for out in llm.generate(inputs(), _params(1), request_id=f"stream-{spec.session_id}"):
+        async for out in llm.generate(
+            inputs(), streaming.chunk_params(1), request_id=f"stream-{spec.session_id}"
+        ):
             last_output[0] = time.perf_counter()
             count += len(out.outputs[0].token_ids)
             if out.outputs[0].finish_reason is not None:
