@@ -154,10 +154,13 @@ def test_fidelity_averages_a_mode_measured_in_several_real_files(tmp_path):
     seed = real["default"][1]
     assert seed["runs"] == 2 and seed["hit_rate"] == pytest.approx(0.31)
     assert seed["hit_rate_range"] == [0.29, 0.33]
+    assert seed["makespan_range"] == [52.0, 58.0]
     assert seed["prefill_tokens"] == 389 and seed["makespan_sec"] == pytest.approx(55.0)
     assert real["default"][0]["runs"] == 1 and real["mixed"][0]["hit_rate"] == 0.3
     c = fidelity.compare(real["default"], [s("none", 0.28, 400, 10.0), s("seed", 0.30, 390, 10.0)])
     assert c["modes"]["seed"]["hit_rate_abs"] == pytest.approx(-0.01)
+    assert c["modes"]["seed"]["makespan_real_range"] == [52.0, 58.0]
+    assert "2: 0.290-0.330, 52.0-58.0" in fidelity.table("default", c)
     assert c["modes"]["seed"]["real_runs"] == 2
     assert "2: 0.290-0.330" in fidelity.table("default", c)
 

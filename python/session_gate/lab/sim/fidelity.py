@@ -211,8 +211,9 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
 
 def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode's real summary over repeated runs: the mean hit rate, prefill tokens and
-    makespan, with the runs' count and hit-rate range (the real engine's run-to-run spread:
-    thread timing moves admissions, and with them the hits)."""
+    makespan, with the runs' count and their hit-rate and makespan ranges (the real engine's
+    run-to-run spread: thread timing moves admissions, and with them the hits; on a shared VM
+    the machine's speed moves too, and the same mode's makespan with it)."""
     out = dict(runs[0])
     n = len(runs)
     hits = [r["hit_rate"] for r in runs]
@@ -221,6 +222,8 @@ def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["makespan_sec"] = sum(r["makespan_sec"] for r in runs) / n
     out["runs"] = n
     out["hit_rate_range"] = [min(hits), max(hits)]
+    spans = [r["makespan_sec"] for r in runs]
+    out["makespan_range"] = [min(spans), max(spans)]
     return out
 
 
@@ -269,6 +272,7 @@ def compare(real: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str,
             "prefill_tokens_twin": t[m]["prefill_tokens"],
             "prefill_tokens_rel": t[m]["prefill_tokens"] / max(1, r[m]["prefill_tokens"]) - 1,
             "makespan_real": r[m]["makespan_sec"],
+            "makespan_real_range": r[m].get("makespan_range", [r[m]["makespan_sec"]] * 2),
             "makespan_twin": t[m]["makespan_sec"],
             "makespan_ratio_real": ratio_real,
             "makespan_ratio_twin": ratio_twin,
@@ -288,7 +292,8 @@ def table(workload: str, c: dict[str, Any], profile: str = "cpu-tiny") -> str:
     lines = [
         f"{workload}: twin (SIMULATED, {profile}) vs real CPU engine (measured)",
         f"{'mode':<6} {'hit real':>8} {'twin':>6} {'err':>7}  {'prefill real':>12} {'twin':>9} "
-        f"{'err %':>7}  {'span/none real':>14} {'twin':>6} {'err %':>7}  real runs: hit range",
+        f"{'err %':>7}  {'span/none real':>14} {'twin':>6} {'err %':>7}  "
+        "real runs: hit range, makespan range s",
     ]
     for m, e in c["modes"].items():
         lines.append(
@@ -297,7 +302,8 @@ def table(workload: str, c: dict[str, Any], profile: str = "cpu-tiny") -> str:
             f"{e['prefill_tokens_twin']:>9,} {100 * e['prefill_tokens_rel']:>+7.1f}  "
             f"{e['makespan_ratio_real']:>14.2f} {e['makespan_ratio_twin']:>6.2f} "
             f"{100 * e['makespan_ratio_rel']:>+7.1f}  {e['real_runs']}: "
-            f"{e['hit_rate_real_range'][0]:.3f}-{e['hit_rate_real_range'][1]:.3f}"
+            f"{e['hit_rate_real_range'][0]:.3f}-{e['hit_rate_real_range'][1]:.3f}, "
+            f"{e['makespan_real_range'][0]:.1f}-{e['makespan_real_range'][1]:.1f}"
         )
     lines.append(f"order by makespan: real {c['order_real']}, twin {c['order_twin']}")
     return "\n".join(lines)
