@@ -615,6 +615,13 @@ def simulate_rl_steps(
 def sim_profile_names() -> list[str]:
     """The built-in twin profiles."""
 
+def sim_profile_shape(
+    *, profile: str | None = None, profile_path: str | None = None, profile_text: str | None = None
+) -> dict[str, int]:
+    """The replica shape a profile implies (its ``[replica]``): ``num_blocks`` (vLLM's null block
+    included), ``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``. Raises
+    ``ValueError`` for an unknown or malformed profile."""
+
 def sim_profile_text(name: str) -> str:
     """A built-in twin profile's TOML text, as embedded (its ``[machine]`` says where it was
     fitted). Raises ``ValueError`` for an unknown name."""

@@ -89,7 +89,14 @@ def workloads_of(
     out = [workloads[n](args.seed) for n in names]
     for path in args.trace:
         trace = load_trace(path, seed=args.seed)
-        out.append(dataclasses.replace(trace, profile_shape=True) if trace_profile_shape else trace)
+        if trace_profile_shape:
+            # The twin checks it against the cache it will really get (the profile's).
+            out.append(dataclasses.replace(trace, profile_shape=True))
+        else:
+            # Runs on the bench's engine: a session that could never fit it is refused now,
+            # not after an engine has started.
+            trace.check_fits(trace.engine.num_blocks, trace.engine.block_size)
+            out.append(trace)
     return out
 
 

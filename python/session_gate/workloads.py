@@ -45,6 +45,12 @@ class SessionSpec:
     turns: tuple[Turn, ...]
     arrival: float = 0.0
 
+    @property
+    def longest_sequence(self) -> int:
+        """Tokens of the session's whole history at its last turn's end: system + task + every
+        append and output (the most KV it ever needs at once)."""
+        return self.system_tokens + self.task_tokens + sum(t.append + t.output for t in self.turns)
+
 
 @dataclass(frozen=True)
 class EngineShape:
@@ -67,18 +73,32 @@ class Workload:
 
     @property
     def max_prompt_tokens(self) -> int:
-        return max(
-            s.system_tokens + s.task_tokens + sum(t.append + t.output for t in s.turns)
-            for s in self.sessions
-        )
+        return max(s.longest_sequence for s in self.sessions)
+
+    def check_fits(self, num_blocks: int, block_size: int) -> None:
+        """Refuses the workload when a session's longest sequence can never fit a KV cache of
+        ``num_blocks`` blocks (vLLM's null block included) of ``block_size`` tokens: neither vLLM
+        nor the twin could ever run that session's last turn. The error names the session."""
+        capacity = (num_blocks - 1) * block_size
+        for s in self.sessions:
+            need = s.longest_sequence
+            if need > capacity:
+                raise ValueError(
+                    f"{self.name}: session {s.session_id!r} needs {need:,} tokens of KV by its "
+                    f"last turn (system + task + every append and output), more than the cache "
+                    f"holds: {num_blocks - 1:,} usable blocks x {block_size} = {capacity:,} "
+                    "tokens; no engine of this shape can run it"
+                )
 
     @property
     def engine_max_model_len(self) -> int:
         """The ``max_model_len`` the real bench starts this workload's engine with: its longest
         sequence + 64, within the cache. ``aimd`` sizes its first cap from it (KV capacity over
         ``max_model_len``, as prime-rl does), so an engine of another length changes that mode's
-        result; the twin derives the same number from the same sessions."""
+        result; the twin derives the same number from the same sessions. A workload that can
+        never fit the engine is refused here, before any engine starts (:meth:`check_fits`)."""
         e = self.engine
+        self.check_fits(e.num_blocks, e.block_size)
         return min(self.max_prompt_tokens + 64, (e.num_blocks - 1) * e.block_size)
 
     def describe(self) -> str:
@@ -175,11 +195,20 @@ def unshared_workload(seed: int = 0) -> Workload:
 
 def load_trace(path: str | Path, engine: EngineShape | None = None, seed: int = 0) -> Workload:
     """Read a JSONL trace (format in this module's docstring); errors name the file, the line
-    and the field."""
+    and the field. Session ids must be unique: the gate keys everything by them, so two
+    sessions under one id would be one session to it."""
     sessions = []
+    first_line: dict[str, int] = {}
     for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
-            sessions.append(_session_from_json(line, f"{path}:{lineno}"))
+            spec = _session_from_json(line, f"{path}:{lineno}")
+            if spec.session_id in first_line:
+                raise ValueError(
+                    f"{path}:{lineno}: session {spec.session_id!r}: duplicate session_id "
+                    f"(first on line {first_line[spec.session_id]})"
+                )
+            first_line[spec.session_id] = lineno
+            sessions.append(spec)
     if not sessions:
         raise ValueError(f"{path}: no sessions")
     return Workload(f"trace:{Path(path).name}", tuple(sessions), engine or EngineShape(), seed)

@@ -347,8 +347,31 @@ fn sim_profile_text(name: &str) -> PyResult<&'static str> {
     })
 }
 
+/// The replica shape a profile implies (its `[replica]` table): `num_blocks` (vLLM's null block
+/// included), `block_size`, `max_num_seqs`, `max_num_batched_tokens`. The same profile arguments
+/// as `simulate_rl_steps`.
+#[pyfunction]
+#[pyo3(signature = (*, profile=None, profile_path=None, profile_text=None))]
+fn sim_profile_shape<'py>(
+    py: Python<'py>,
+    profile: Option<&str>,
+    profile_path: Option<&str>,
+    profile_text: Option<&str>,
+) -> PyResult<Bound<'py, PyDict>> {
+    no_panic("sim_profile_shape", || {
+        let shape = ReplicaConfig::from_profile(&cost_model(profile, profile_path, profile_text)?);
+        let d = PyDict::new(py);
+        d.set_item("num_blocks", shape.num_blocks)?;
+        d.set_item("block_size", shape.block_size)?;
+        d.set_item("max_num_seqs", shape.max_num_seqs)?;
+        d.set_item("max_num_batched_tokens", shape.max_num_batched_tokens)?;
+        Ok(d)
+    })
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simulate_rl_steps, m)?)?;
+    m.add_function(wrap_pyfunction!(sim_profile_shape, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_names, m)?)?;
     m.add_function(wrap_pyfunction!(sim_profile_text, m)?)?;
     Ok(())

@@ -73,7 +73,8 @@ GOOD = (
 
 
 def test_a_trace_may_give_arrivals(tmp_path):
-    trace = workloads.load_trace(_trace(tmp_path, GOOD, GOOD.replace(', "arrival": 2.5', "")))
+    second = GOOD.replace(', "arrival": 2.5', "").replace('"a"', '"b"')
+    trace = workloads.load_trace(_trace(tmp_path, GOOD, second))
     assert [s.arrival for s in trace.sessions] == [2.5, 0.0]
 
 
@@ -94,6 +95,23 @@ def test_bad_trace_fields_are_named_with_file_and_line(tmp_path, old, new, messa
     path = _trace(tmp_path, GOOD, GOOD.replace(old, new, 1))
     with pytest.raises(ValueError, match=message):
         workloads.load_trace(path)
+
+
+def test_a_trace_with_a_session_id_twice_is_refused_with_both_lines(tmp_path):
+    path = _trace(tmp_path, GOOD, GOOD.replace('"a"', '"b"'), GOOD)
+    with pytest.raises(
+        ValueError, match=r"t.jsonl:3: session 'a': duplicate session_id \(first on line 1\)"
+    ):
+        workloads.load_trace(path)
+
+
+def test_a_session_that_can_never_fit_the_cache_is_named():
+    fits = workloads.SessionSpec("small", 8, 16, (workloads.Turn(0, 8, 0.0),))
+    big = workloads.SessionSpec("big", 0, 40_000, (workloads.Turn(0, 1, 0.0),))
+    w = workloads.Workload("w", (fits, big))
+    with pytest.raises(ValueError, match=r"w: session 'big' needs 40,001 tokens.*32,736 tokens"):
+        w.engine_max_model_len  # noqa: B018 (the property refuses before any engine starts)
+    workloads.Workload("ok", (fits,)).check_fits(2, 32)  # 32 tokens: exactly one usable block
 
 
 def test_scale_workloads_are_agentic_rollouts_for_the_twin():

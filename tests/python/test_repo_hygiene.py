@@ -8,8 +8,9 @@ No engine needed: these read the files ``git ls-files`` lists.
   design document, a coordination folder, a home directory): a reader of the repo could not
   follow such a reference.
 * Every relative link in the README and ``docs/`` points to a tracked file (and, for a link into
-  a Markdown file, to a heading that exists), every ``make`` target they name exists, and every
-  ``python -m`` module they name is in the package.
+  a Markdown file, to a heading that exists), every ``make`` target they name exists, every
+  ``python -m`` module they name is in the package, and every repository path they name (a
+  command's argument as much as a link) is a tracked file or folder.
 * Every ``import vllm`` of the package lives in one folder (``session_gate/engine`` for the
   product, ``session_gate/lab/engine`` for the lab), and every ``extern "C"`` of the crate in
   ``src/ffi``.
@@ -17,6 +18,7 @@ No engine needed: these read the files ``git ls-files`` lists.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import subprocess
 from pathlib import Path
@@ -209,3 +211,30 @@ def test_vllm_is_imported_in_one_folder_and_extern_c_declared_in_one():
         and EXTERN_C.search((ROOT / p).read_text())
     ]
     assert not stray_externs, f'extern "C" outside src/ffi/: {stray_externs}'
+
+
+#: A path into the repository as the docs write one, in prose or in a command: a top-level
+#: folder, then more path, possibly a glob.
+REPO_PATH = re.compile(
+    r"(?<![\w./*-])((?:examples|python|src|tests|include|docs|scripts|grafana|\.ci)/[\w./*-]*[\w/*])"
+)
+
+
+def test_every_repository_path_the_docs_name_exists():
+    tracked = set(tracked_files())
+    folders = {str(Path(p).parent) for p in tracked}
+    folders |= {str(parent) for f in list(folders) for parent in Path(f).parents}
+    missing = []
+    for doc in doc_files():
+        for lineno, line in enumerate(doc.read_text().splitlines(), 1):
+            for match in REPO_PATH.finditer(line):
+                path = match.group(1).rstrip("/.")
+                if "*" in path:
+                    found = any(fnmatch.fnmatch(t, path) for t in tracked)
+                else:
+                    found = path in tracked or path in folders
+                if not found:
+                    missing.append(f"{doc.relative_to(ROOT)}:{lineno}: {path}")
+    assert not missing, "paths the docs name that the repository does not have:\n" + "\n".join(
+        missing
+    )

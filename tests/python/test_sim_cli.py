@@ -83,6 +83,28 @@ def test_bad_arguments_are_refused_with_a_reason(capsys):
     assert "unknown profile" in capsys.readouterr().err
 
 
+def test_a_trace_that_can_never_fit_the_replica_is_refused_naming_its_session(tmp_path, capsys):
+    """Checked against the cache the twin really gets: the bench's engine on cpu-tiny refuses a
+    40K-token session, an H200's runs it."""
+    trace = tmp_path / "big.jsonl"
+    trace.write_text(
+        '{"session_id": "big", "system_tokens": 0, "task_tokens": 40000, '
+        '"turns": [{"append": 0, "output": 8, "tool_latency": 0}]}\n'
+    )
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exc:
+        sim_main.main(["--trace", str(trace), "--modes", "none", "--out", str(out)])
+    assert exc.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "session 'big' needs 40,008 tokens" in err and "32,736 tokens" in err
+    assert "Traceback" not in err
+    sim_main.main(
+        ["--trace", str(trace), "--profile", "h200-qwen2.5-7b", "--modes", "none"]
+        + ["--out", str(out), "--plot", str(tmp_path / "p.png")]
+    )
+    assert out.exists()
+
+
 def test_real_results_stay_labelled_measured():
     assert ModeResult("none", "w", 1.0).summary()["engine"] == "vllm-cpu"
 

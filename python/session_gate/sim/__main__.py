@@ -103,7 +103,13 @@ def main(argv: list[str] | None = None) -> None:
         fleet.main(args, list(fleet.FLEET_MODES) if args.modes == DEFAULT_MODES else modes)
         return
     runs: list[Any] = []
-    by_workload = run(args, runs)
+    try:
+        by_workload = run(args, runs)
+    except ValueError as exc:
+        # A workload the twin cannot run (a session that never fits the cache, ...): the
+        # message names it; no traceback.
+        print(f"python -m session_gate.sim: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.records:
         report.write_records(args.records, runs)
     targets = report.targets(by_workload)

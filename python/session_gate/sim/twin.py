@@ -37,6 +37,19 @@ def profile_label(profile: str) -> str:
     return Path(profile).stem if profile.endswith(".toml") else profile
 
 
+def cache_shape(profile: str, engine: dict[str, float]) -> tuple[int, int]:
+    """The KV cache the twin's replica gets: ``(num_blocks, block_size)`` from the replica
+    shape where it sets them, else from the profile's ``[replica]`` table."""
+    if "num_blocks" in engine and "block_size" in engine:
+        return int(engine["num_blocks"]), int(engine["block_size"])
+    from session_gate import _native
+
+    replica = _native.sim_profile_shape(**profile_args(profile))
+    num_blocks = engine.get("num_blocks", replica["num_blocks"])
+    block_size = engine.get("block_size", replica["block_size"])
+    return int(num_blocks), int(block_size)
+
+
 def native_sessions(workload: Workload) -> list[tuple[Any, ...]]:
     return [
         (
@@ -105,6 +118,11 @@ def _simulate(
         raise ValueError(
             f"mode {mode.name}: the twin runs the baselines with their literal time constants"
         )
+    engine = replica_shape(steps[0], shape)
+    if mode.kind != LIMIT_KIND:  # the limit's cache never runs out
+        num_blocks, block_size = cache_shape(profile, engine)
+        for w in steps:
+            w.check_fits(num_blocks, block_size)
     config = _native.GateConfig(**(knobs or {})) if mode.gated else None
     outs = _native.simulate_rl_steps(
         [native_sessions(w) for w in steps],
@@ -113,7 +131,7 @@ def _simulate(
         config=config,
         seed=steps[0].seed,
         **profile_args(profile),
-        **replica_shape(steps[0], shape),
+        **engine,
     )
     return [_result(w, mode, profile, out) for w, out in zip(steps, outs, strict=True)]
 
