@@ -209,18 +209,6 @@ async def test_vllm_metrics_are_readable_in_process(engine):
 
 
 @pytestmark_engine
-async def test_the_fidelity_reference_times_a_cold_request_that_fits_the_engine(engine):
-    """`make sim-fidelity` times this around every real mode; the engine here is shorter than
-    the reference's 2,048 tokens, so the prompt is cut to fit instead of being refused."""
-    from session_gate.lab.sim import fidelity
-
-    max_len = engine.model_config.max_model_len
-    assert max_len < fidelity.REFERENCE_PROMPT
-    sec = await fidelity.reference_sec(engine, max_len)
-    assert 0.0 < sec < 60.0
-
-
-@pytestmark_engine
 async def test_aimd_cancels_youngest_episodes_and_reruns_them_with_lost_work_counted(engine):
     w = small_workload()
     # A hair-trigger hard cap (any usage over 1% cancels down to one episode, every poll) and a

@@ -21,15 +21,6 @@ here, unless a profile fitted on this machine sits in the machine-local cache
 ``--other-hardware`` compares anyway, the result marked so. With ``--real-json`` the real
 results' own machine (``machine_identity``, when the files record it) is the one that must match.
 
-The machine's speed is measured beside each real mode: a fixed reference (one cold greedy request,
-a 2,048-token prompt and 16 tokens out, three times, median) is timed on the mode's engine just
-before and just after the mode, and each mode's summary keeps the mean (``reference_sec``). On a
-shared VM the same work can take twice as long a quarter of an hour later (the lab notes), which
-moves ``none``'s makespan, the denominator of every ratio; the table then prints each mode's
-reference over ``none``'s, the makespan-ratio errors with that drift taken out, and a warning
-when the reference moved more than 10% between modes. The targets are judged on the raw
-figures; the drift-corrected ones say how much of an error is the machine's.
-
 ``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
 (``session_gate.lab.engine.step_timing.StepLog``: per iteration its prefill and decode requests and
 tokens, KV usage, prefix hits, and the client's time), to explain a makespan gap step by step.
@@ -58,11 +49,6 @@ MODES = "none,cap4,cap8,seed,aimd,pause,gate"
 #: one, the order in which the real ``aimd`` once ran on the wrong engine (issue 29).
 FIDELITY_WORKLOADS = ("default", "mixed", "unshared")
 TARGETS = {"hit_rate_abs": 0.03, "prefill_tokens_rel": 0.10, "makespan_ratio_rel": 0.15}
-#: The reference work timed around each real mode (prompt tokens, output tokens, repeats).
-REFERENCE_PROMPT, REFERENCE_OUTPUT, REFERENCE_REPEATS = 2048, 16, 3
-#: Reference drift between modes above which the table warns that makespans moved with the
-#: machine.
-DRIFT_WARNING = 0.10
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -210,17 +196,13 @@ def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     from session_gate.lab.bench import __main__ as bench
 
     # The real bench runs what this command parsed: the same workloads, modes and seed.
-    with contextlib.ExitStack() as stack:
-        log = stack.enter_context(_step_logging(bench)) if args.step_log else None
-        # Entered last, so it wraps the step log's marks: reference steps are not the mode's.
-        refs = stack.enter_context(_reference_timing(bench))
-        by_workload = asyncio.run(bench.run(args))
-    if log is not None:
+    if args.step_log:
+        with _step_logging(bench) as log:
+            by_workload = asyncio.run(bench.run(args))
         with open(args.step_log, "w") as f:
             json.dump(log.rows, f)
-    for workload, summaries in by_workload.items():
-        for summary in summaries:
-            summary["reference_sec"] = refs.get((workload, summary["mode"]))
+    else:
+        by_workload = asyncio.run(bench.run(args))
     with open(args.real_out, "w") as f:
         out = {"seed": args.seed, "machine_identity": machines.this_machine()}
         json.dump({**out, "workloads": by_workload}, f, indent=2)
@@ -242,53 +224,7 @@ def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["hit_rate_range"] = [min(hits), max(hits)]
     spans = [r["makespan_sec"] for r in runs]
     out["makespan_range"] = [min(spans), max(spans)]
-    refs = [r.get("reference_sec") for r in runs]
-    out["reference_sec"] = sum(refs) / n if None not in refs else None
     return out
-
-
-async def reference_sec(llm: Any, max_model_len: int) -> float:
-    """Seconds the fixed reference takes on ``llm`` now: one cold greedy request of
-    ``REFERENCE_PROMPT`` tokens (fewer if the engine's ``max_model_len`` is shorter) and
-    ``REFERENCE_OUTPUT`` out, after a prefix-cache reset, ``REFERENCE_REPEATS`` times; the
-    median. The engine must be idle (between modes)."""
-    import statistics
-    import time
-
-    from session_gate.lab.engine.launch import agenerate
-
-    n = max(1, min(REFERENCE_PROMPT, max_model_len - REFERENCE_OUTPUT - 1))
-    tokens = [10 + (31 * k) % 1000 for k in range(n)]
-    times = []
-    for i in range(REFERENCE_REPEATS):
-        await llm.reset_prefix_cache()
-        start = time.perf_counter()
-        await agenerate(
-            llm, tokens, REFERENCE_OUTPUT, f"fidelity-reference-{i}-{time.monotonic_ns()}"
-        )
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-@contextlib.contextmanager
-def _reference_timing(bench: Any) -> Iterator[dict[tuple[str, str], float]]:
-    """Runs the real bench with :func:`reference_sec` timed just before and just after each
-    mode on that mode's engine; yields ``{(workload, mode): mean of the two}``."""
-    refs: dict[tuple[str, str], float] = {}
-    run_mode = bench.run_mode
-
-    async def run_mode_timed(llm: Any, workload: Any, mode: Any, *rest: Any) -> Any:
-        before = await reference_sec(llm, workload.engine_max_model_len)
-        result = await run_mode(llm, workload, mode, *rest)
-        after = await reference_sec(llm, workload.engine_max_model_len)
-        refs[(workload.name, mode.name)] = (before + after) / 2
-        return result
-
-    bench.run_mode = run_mode_timed
-    try:
-        yield refs
-    finally:
-        bench.run_mode = run_mode
 
 
 @contextlib.contextmanager
@@ -342,16 +278,6 @@ def compare(real: list[dict[str, Any]], twin: list[dict[str, Any]]) -> dict[str,
             "makespan_ratio_twin": ratio_twin,
             "makespan_ratio_rel": ratio_twin / ratio_real - 1,
         }
-    if modes and all(r[m].get("reference_sec") for m in [*modes, "none"]):
-        # The machine's speed during each mode against during `none`: the real ratio with it
-        # taken out is what the twin, whose steps never change speed, should match.
-        for m in modes:
-            e = per_mode[m]
-            e["speed"] = r[m]["reference_sec"] / r["none"]["reference_sec"]
-            e["makespan_ratio_real_steady"] = e["makespan_ratio_real"] / e["speed"]
-            e["makespan_ratio_rel_steady"] = (
-                e["makespan_ratio_twin"] / e["makespan_ratio_real_steady"] - 1
-            )
     order_real = sorted(modes, key=lambda m: r[m]["makespan_sec"])
     order_twin = sorted(modes, key=lambda m: t[m]["makespan_sec"])
     return {
@@ -380,24 +306,6 @@ def table(workload: str, c: dict[str, Any], profile: str = "cpu-tiny") -> str:
             f"{e['makespan_real_range'][0]:.1f}-{e['makespan_real_range'][1]:.1f}"
         )
     lines.append(f"order by makespan: real {c['order_real']}, twin {c['order_twin']}")
-    steady = {m: e for m, e in c["modes"].items() if "speed" in e}
-    if steady:
-        lines.append(
-            "reference (a fixed request, timed around each mode) over none's: "
-            + ", ".join(f"{m} {e['speed']:.2f}" for m, e in steady.items())
-        )
-        lines.append(
-            "makespan ratio err % with that drift taken out: "
-            + ", ".join(
-                f"{m} {100 * e['makespan_ratio_rel_steady']:+.1f}" for m, e in steady.items()
-            )
-        )
-        drift = max(abs(e["speed"] - 1) for e in steady.values())
-        if drift > DRIFT_WARNING:
-            lines.append(
-                f"WARNING: the machine's speed moved {100 * drift:.0f}% between modes: the raw "
-                "makespan ratios carry it"
-            )
     return "\n".join(lines)
 
 
@@ -415,25 +323,12 @@ def verdict(comparisons: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
     holds = {k: worst[k][0] <= limit for k, limit in TARGETS.items()}
     holds["same_order"] = all(c["same_order"] for c in comparisons.values())
-    out = {
+    return {
         "largest_errors": {k: {"value": v, "where": where} for k, (v, where) in worst.items()},
         "targets": TARGETS,
         "targets_hold": holds,
         "all_targets_hold": all(holds.values()),
     }
-    steady = [
-        (abs(e["makespan_ratio_rel_steady"]), f"{w}/{m}")
-        for w, c in comparisons.items()
-        for m, e in c["modes"].items()
-        if "makespan_ratio_rel_steady" in e
-    ]
-    if steady:
-        value, where = max(steady)
-        out["makespan_ratio_rel_steady"] = {
-            "largest": {"value": value, "where": where},
-            "within_target": value <= TARGETS["makespan_ratio_rel"],
-        }
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
