@@ -969,8 +969,22 @@ async fn forward(
 /// one the dead replica's end closed would only fail again, and say nothing).
 async fn gone(proxy: &Proxy, replica: &Replica) -> bool {
     let fresh = upstream::client(Duration::from_secs_f64(proxy.config.connect_timeout_sec));
-    replicas::check(&fresh, replica).await == Health::Unreachable
+    match replicas::check(&fresh, replica).await {
+        Health::Unreachable => true,
+        Health::Ok => false,
+        Health::Failed => {
+            // A replica in the middle of dying resets its connections before its listening
+            // socket closes, so the check can still connect and then be reset: look once more
+            // when its exit has had time to finish. A replica that is alive but failing stays
+            // reachable and keeps its 502.
+            tokio::time::sleep(DYING_RECHECK).await;
+            replicas::check(&fresh, replica).await == Health::Unreachable
+        }
+    }
 }
+
+/// How long [`gone`] waits before it checks a replica whose health check failed again.
+const DYING_RECHECK: Duration = Duration::from_millis(250);
 
 /// Releases the lease and records the request, exactly once, however the answer ends.
 struct Guard {
