@@ -219,10 +219,10 @@ def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     hits = [r["hit_rate"] for r in runs]
     out["hit_rate"] = sum(hits) / n
     out["prefill_tokens"] = round(sum(r["prefill_tokens"] for r in runs) / n)
-    out["makespan_sec"] = sum(r["makespan_sec"] for r in runs) / n
+    spans = [r["makespan_sec"] for r in runs]
+    out["makespan_sec"] = sum(spans) / n
     out["runs"] = n
     out["hit_rate_range"] = [min(hits), max(hits)]
-    spans = [r["makespan_sec"] for r in runs]
     out["makespan_range"] = [min(spans), max(spans)]
     return out
 
