@@ -140,17 +140,27 @@ def test_a_proxy_gating_at_the_engine_keeps_each_session_on_its_leases_rank(url,
     its session id), so a session's turns stay on one rank and each rank's gate admitted
     exactly the turns it ran."""
     proxy, proxy_url = start_proxy(proxy_binary(), url, tmp_path, ["--gate-at", "engine"])
-    sessions = [f"dp-proxied-{i}" for i in range(4)]
+    ranks: dict[str, list[int]] = {}
+
+    def send(session: str, turn: int) -> None:
+        before = served_by_rank(url)
+        body = {"model": "tiny", "prompt": history(session, turn), "max_tokens": 2}
+        r = httpx.post(f"{proxy_url}/sess/{session}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        ranks.setdefault(session, []).append(served_rank(url, before))
+
     try:
         admitted_before = [r["admissions_total"] for r in gate_stats(url)["ranks"]]
-        ranks: dict[str, list[int]] = {s: [] for s in sessions}
-        for turn in range(3):
-            for s in sessions:
-                before = served_by_rank(url)
-                body = {"model": "tiny", "prompt": history(s, turn), "max_tokens": 2}
-                r = httpx.post(f"{proxy_url}/sess/{s}/v1/completions", json=body, timeout=120)
-                assert r.status_code == 200, r.text
-                ranks[s].append(served_rank(url, before))
+        # New sessions until both ranks hold one: a new session goes to the least-loaded rank,
+        # ties to the one with fewer sessions pinned in the API-server process that placed it,
+        # and the module's earlier tests leave those counts uneven, so the first few new
+        # sessions may all go to one rank; each one placed there evens the counts.
+        while len(ranks) < 4 or len({r[0] for r in ranks.values()}) < 2:
+            assert len(ranks) < 16, f"every new session went to one rank: {ranks}"
+            send(f"dp-proxied-{len(ranks)}", 0)
+        for turn in (1, 2):
+            for s in list(ranks):
+                send(s, turn)
         assert all(len(set(r)) == 1 for r in ranks.values()), ranks
         admitted = [
             r["admissions_total"] - b
@@ -158,6 +168,5 @@ def test_a_proxy_gating_at_the_engine_keeps_each_session_on_its_leases_rank(url,
         ]
         on_rank = [sum(3 for r in ranks.values() if r[0] == k) for k in (0, 1)]
         assert admitted == on_rank, (admitted, ranks)
-        assert set(r[0] for r in ranks.values()) == {0, 1}, ranks  # spread over both ranks
     finally:
         stop(proxy)
