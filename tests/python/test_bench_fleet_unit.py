@@ -4,7 +4,9 @@ the targets, the hash routing of ``none``, the replicas' cores and the CPU-time 
 from __future__ import annotations
 
 import os
-import time
+import signal
+import subprocess
+import sys
 
 import pytest
 from session_gate.lab.bench import fleet
@@ -77,12 +79,38 @@ def test_each_replica_gets_cores_of_its_own():
         assert binds == ["nobind", "nobind"]
 
 
+#: A grandchild that burns 0.3 s of CPU, says its pid, then idles (a replica's engine core is a
+#: child of its API server).
+_BURN = (
+    "import os, time\n"
+    "end = time.process_time() + 0.3\n"
+    "while time.process_time() < end:\n"
+    "    pass\n"
+    "print(os.getpid(), flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
 def test_cpu_seconds_of_a_process_tree_grow_with_work():
-    before = fleet.tree_cpu_sec(os.getpid())
-    end = time.process_time() + 0.3
-    while time.process_time() < end:
-        pass
-    assert fleet.tree_cpu_sec(os.getpid()) >= before + 0.2
+    # A tree of its own, not pytest's: pytest's other children (an earlier test's engine shutting
+    # down) may exit between two readings and take their CPU seconds with them.
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time\n"
+         f"subprocess.Popen([sys.executable, '-c', {_BURN!r}])\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        burner = int(parent.stdout.readline())
+        burned = fleet.tree_cpu_sec(burner)
+        assert burned >= 0.25, burned
+        # The parent only slept after starting it: its tree's seconds are the grandchild's.
+        assert fleet.tree_cpu_sec(parent.pid) >= burned
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
     assert fleet.tree_cpu_sec(2**22 + 12345) == 0.0  # no such process
 
 
