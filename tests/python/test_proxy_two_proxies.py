@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import get_text, metric, proxy_binary, served_vllm, word_ids
+from conftest import gate_stats, get_text, metric, proxy_binary, served_vllm, word_ids
 from session_gate.lab.engine.serve import start_proxy, stop
 
 NUM_BLOCKS = 128  # 127 usable
@@ -193,7 +193,7 @@ LONG_WAIT_SEC = 0.5
 def long_waits(url: str) -> int:
     """Admissions of ``url``'s engine gate that waited over :data:`LONG_WAIT_SEC`, from its
     ``wait_sec`` histogram."""
-    hist = httpx.get(f"{url}/session_gate/v1/stats", timeout=30).json()["wait_sec"]
+    hist = gate_stats(url)["wait_sec"]
     under = next(n for le, n in hist["buckets"] if le == LONG_WAIT_SEC)
     return hist["count"] - under
 
