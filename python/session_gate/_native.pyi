@@ -11,8 +11,8 @@
 Every function turns a Rust panic into ``RuntimeError``; invalid input raises ``ValueError``.
 """
 
-from collections.abc import Sequence
-from typing import Final, Literal, TypeAlias, TypedDict, final
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Literal, TypeAlias, TypedDict, final
 
 __all__ = [
     "__version__",
@@ -27,6 +27,7 @@ __all__ = [
     "ProbeUsage",
     "SimKvManager",
     "SCHEDULER_MAX_WAIT_SEC",
+    "SchedulerLook",
     "SessionInference",
     "SimReplica",
     "Wait",
@@ -515,6 +516,25 @@ class SessionInference:
     ) -> None: ...
     def stats(self) -> dict[str, int]:
         """``continued``, ``ambiguous``, ``new``, ``no_own_block``, ``forgotten``, ``idle``."""
+
+# --------------------------------------------------------------------------- sched_look.rs
+
+@final
+class SchedulerLook:
+    """The scheduler mode's look at a waiting request (``gate_scheduler``), native for the
+    looks that decide nothing: vLLM's check (for its blocked statuses only), no id, decided, or
+    held without an answer; every other look goes to ``ready``."""
+
+    def __new__(
+        cls,
+        vllm_check: Callable[[Any], bool],
+        plain: Sequence[Any],
+        decided: dict[str, int | None],
+        held: dict[str, Any],
+        ready: Callable[[Any], bool],
+        infer: bool,
+    ) -> SchedulerLook: ...
+    def look(self, request: Any) -> bool: ...
 
 # --------------------------------------------------------------------------- twin (sim_pool.rs)
 

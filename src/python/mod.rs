@@ -20,6 +20,7 @@ mod host_tier;
 mod inference;
 mod knobs;
 mod residency;
+mod sched_look;
 mod sim;
 mod sim_pool;
 mod sim_tier;
@@ -41,5 +42,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sim_pool::register(m)?;
     sim_tier::register(m)?;
     inference::register(m)?;
+    sched_look::register(m)?;
     Ok(())
 }

@@ -152,10 +152,12 @@ def test_a_held_request_waits_in_the_queue_and_runs_once_admitted(url):
             await eventually(lambda: sched(url)["holding"] == 1, what="the turn held")
             await asyncio.sleep(1.0)
             assert not turn.done(), "a held turn ran"
-            assert sched(url)["holding"] == 1
+            # Held, looked at on every step by the native look (no Python frame).
+            assert (sched(url)["holding"], sched(url)["native_holding"]) == (1, 1)
             blocker.release()
             out = await asyncio.wait_for(turn, 120)
             assert out.choices[0].text is not None
+            assert sched(url)["native_holding"] == 0
 
     asyncio.run(scenario())
     after = scheduler_settled(url)["scheduler"]
@@ -212,6 +214,7 @@ def test_a_held_request_aborted_by_its_client_leaves_nothing(url):
                 with pytest.raises(asyncio.CancelledError):
                     await turn
             await eventually(lambda: sched(url)["holding"] == 0, what="the hold ended")
+            assert sched(url)["native_holding"] == 0
             s = gate_stats(url)
             # Only the blocker's lease is left; the held turn took none and waits no more.
             assert s["engine_gate"]["leases_held"] == 1, s

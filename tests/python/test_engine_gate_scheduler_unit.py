@@ -252,3 +252,93 @@ def test_session_id_mode_never_infers():
     gate = SchedulerGate(driver)
     assert gate.ready(hashed("x", [b"h"], 1))
     assert driver._book.admits == [] and "inferred" not in gate.stats()
+
+
+class Status:
+    """Stand-ins for vLLM's ``RequestStatus`` members (compared by identity)."""
+
+    WAITING = object()
+    PREEMPTED = object()
+    WAITING_FOR_REMOTE_KVS = object()
+
+
+def native_look(gate: SchedulerGate, vllm_says: list[bool], calls: list) -> object:
+    native = pytest.importorskip("session_gate._native")
+
+    def vllm_check(request) -> bool:
+        calls.append(("vllm", request.request_id))
+        return vllm_says[0]
+
+    def ready(request) -> bool:
+        calls.append(("ready", getattr(request, "request_id", None)))
+        return gate.ready(request)
+
+    gate.look = native.SchedulerLook(
+        vllm_check,
+        [Status.WAITING, Status.PREEMPTED],
+        gate._decided,
+        gate._held,
+        ready,
+        gate.mode == gate_scheduler.INFER,
+    )
+    return gate.look.look
+
+
+def test_the_native_look_answers_looks_that_decide_nothing_and_hands_on_the_rest():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    calls: list = []
+    vllm_says = [True]
+    look = native_look(gate, vllm_says, calls)
+    future: Future = Future()
+    driver._book.answers += [future, admitted(4)]
+    held, plain = request("a"), request("p", None)
+    held.status = plain.status = Status.WAITING
+    assert look(plain) is True  # no id: never gated, no Python
+    assert look(held) is False  # first look: the gate admits (held)
+    assert calls == [("ready", "a")] and gate.look.holding == 1
+    held.status = Status.WAITING_FOR_REMOTE_KVS  # (cannot happen: shows what is not read)
+    for _ in range(3):
+        assert look(held) is False  # held, no answer yet: answered natively, nothing called
+    assert calls == [("ready", "a")] and len(driver._book.admits) == 1
+    held.status = Status.WAITING
+    future.set_result(admitted(9))
+    assert gate.look.holding == 0  # the answer let it go
+    assert look(held) is True  # the answer: the gate takes it
+    assert look(held) is True  # decided: natively
+    assert calls == [("ready", "a"), ("ready", "a")]
+    assert gate.stats()["leases"] == 1
+    # vLLM's own check runs for the statuses where it does something, and its no wins.
+    blocked = request("b")
+    blocked.status = Status.WAITING_FOR_REMOTE_KVS
+    vllm_says[0] = False
+    assert look(blocked) is False
+    assert calls[-1] == ("vllm", "b") and len(driver._book.admits) == 1
+    vllm_says[0] = True
+    assert look(blocked) is True  # then the gate's first look (admitted now)
+    assert calls[-2:] == [("vllm", "b"), ("ready", "b")]
+    assert gate.stats()["leases"] == 2
+
+
+def test_the_native_look_hands_a_look_it_cannot_read_to_the_gate():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    calls: list = []
+    look = native_look(gate, [True], calls)
+    odd = SimpleNamespace(status=Status.WAITING, session_id="s")  # no request_id
+    with pytest.raises(AttributeError):  # the gate's own look raises, as vLLM's would
+        look(odd)
+    assert calls == [("ready", None)]
+
+
+def test_an_aborted_hold_leaves_nothing_in_the_native_look():
+    driver = Driver()
+    gate = SchedulerGate(driver)
+    look = native_look(gate, [True], [])
+    driver._book.answers.append(Future())
+    r = request("a")
+    r.status = Status.WAITING
+    assert look(r) is False and gate.look.holding == 1
+    gate.on_free(r)
+    assert gate.look.holding == 0 and driver._book.cancelled == ["sched:0"]
+    assert gate.stats()["holding"] == 0

@@ -22,8 +22,13 @@ core, knobs and reasons as the lease doors: ``gate_driver``) decides, with the r
 token ids and ``max_tokens``. Admitted now: the request is scheduled in this very step and holds
 the lease. Otherwise the request is *held*: vLLM skips it for this step, which leaves it where it
 was in the waiting queue (not refused, not re-queued at the back; vLLM counts it among its
-skipped waiting requests), and every later step looks at the admit's answer again (a ``done()``
-read) until the gate admits it; it is then scheduled in the first step after. Requests without
+skipped waiting requests), and every later step looks again until the gate admits it; it is
+then scheduled in the first step after. Those looks are the native look's
+(``_native.SchedulerLook``, ``src/python/sched_look.rs``): once the scheduler has its gate, a
+bound method in the scheduler's instance ``__dict__`` shadows the class's wrapper and answers
+the looks that decide nothing without a Python frame: a held request with no answer yet (one
+map lookup), a request without an id, a scheduled one. Every other look comes here
+(:meth:`SchedulerGate.ready`). Requests without
 an id, pooling requests, and prompts given as embeddings are never gated. While a request of a
 session is held, later requests of the same session wait behind it without an admit of their own
 (a second admit would take over the first's attempt: the core keeps one pending attempt per
@@ -80,8 +85,8 @@ the requests routed to it.
 Counters: ``session_gate_stats`` (``/session_gate/v1/stats``) has them under ``scheduler``, and
 its Prometheus text (``?format=prometheus``) as ``session_gate_scheduler_*``.
 
-Cost. Off: nothing is wrapped. On: a request without an id costs one attribute read per look;
-a held request one dict lookup and a ``Future.done()`` per step; a gated request one admit
+Cost. Off: nothing is wrapped. On: a request without an id costs the native look's two
+attribute reads per look; a held request one map lookup per step; a gated request one admit
 (the native book's, with the prefix walk) when first seen. While a request is held vLLM keeps
 stepping (it has an unfinished request), as it does for requests that wait for remote KV.
 """
@@ -119,6 +124,10 @@ SCHEDULER_GATE_ATTR = gate_binding.SCHEDULER_GATE_ATTR
 #: Whether this process's ``Scheduler`` and ``EngineCore`` are wrapped, and in which mode.
 installed = False
 mode = OFF
+#: vLLM's own ``Scheduler._handle_blocked_waiting_request`` (set by :func:`install`).
+_vllm_check: Any = None
+#: The scheduler's method the look replaces (in the class) and shadows (per scheduler).
+LOOK_ATTR = "_handle_blocked_waiting_request"
 
 
 def mode_from_env() -> str:
@@ -146,22 +155,42 @@ class _Held:
     engine thread, where the book resolves it: the scheduler's look is then one attribute read,
     not ``Future.done()``, which takes a lock, on every step of the hold)."""
 
-    __slots__ = ("future", "session_id", "ticket", "since", "answer")
+    __slots__ = ("future", "session_id", "ticket", "since", "answer", "request", "look")
 
-    def __init__(self, future: Future, session_id: str, ticket: str, since: float) -> None:
+    def __init__(
+        self,
+        future: Future,
+        session_id: str,
+        ticket: str,
+        since: float,
+        request: Any = None,
+        look: Any = None,
+    ) -> None:
         self.future = future
         self.session_id = session_id
         self.ticket = ticket
         self.since = since
         self.answer: dict[str, Any] | None = None
+        #: The request and the native look that answers its looks while it waits
+        #: (``_native.SchedulerLook``), told when the answer comes.
+        self.request = request
+        self.look = look
+        if look is not None:
+            look.hold(request)
         future.add_done_callback(self._answered)
 
     def _answered(self, future: Future) -> None:
         if future.cancelled():
             self.answer = {"status": "cancelled"}
-            return
-        exc = future.exception()
-        self.answer = {"status": "error", "error": repr(exc)} if exc else future.result()
+        else:
+            exc = future.exception()
+            self.answer = {"status": "error", "error": repr(exc)} if exc else future.result()
+        self.done()
+
+    def done(self) -> None:
+        """The hold is over (answered, or its request freed): the native look lets go."""
+        if self.look is not None:
+            self.look.unhold(self.request)
 
 
 class SchedulerGate:
@@ -193,6 +222,8 @@ class SchedulerGate:
         self._tickets = itertools.count()
         self.counters: Counter[str] = Counter()
         self.admitted_by_reason: Counter[str] = Counter()
+        #: The scheduler's native look (``_native.SchedulerLook``, set by :func:`attach`).
+        self.look: Any = None
 
     # -- the scheduler's question (engine thread) -------------------------------------------
 
@@ -249,7 +280,7 @@ class SchedulerGate:
         if isinstance(answer, Future):
             if answer.done():
                 return self._answered(rid, None, answer.result())
-            self._held[rid] = _Held(answer, session_id, ticket, _now())
+            self._held[rid] = _Held(answer, session_id, ticket, _now(), request, self.look)
             self._held_sessions[session_id] = rid
             self.counters["held"] += 1
             return False
@@ -270,6 +301,7 @@ class SchedulerGate:
 
     def _answered(self, rid: str, held: _Held | None, answer: dict[str, Any]) -> bool:
         if held is not None:
+            held.done()
             del self._held[rid]
             if self._held_sessions.get(held.session_id) == rid:
                 del self._held_sessions[held.session_id]
@@ -310,6 +342,7 @@ class SchedulerGate:
         held = self._held.pop(rid, None)
         if held is None:
             return
+        held.done()
         if self._held_sessions.get(held.session_id) == rid:
             del self._held_sessions[held.session_id]
         self.counters["aborted_while_held"] += 1
@@ -367,6 +400,8 @@ class SchedulerGate:
         if self._inference is not None:
             out["inferred"] = self._inference.stats()
         out["holding"] = len(self._held) + len(self._queued)
+        # Held requests whose looks the native look answers (None: no native look here).
+        out["native_holding"] = None if self.look is None else self.look.holding
         out["leases"] = self._leases
         out["admitted_by_reason"] = dict(self.admitted_by_reason)
         return out
@@ -424,7 +459,34 @@ def attach(scheduler: Any, driver: Any) -> SchedulerGate | None:
         gate = SchedulerGate(driver, infer=mode == INFER)
         scheduler.__dict__[SCHEDULER_GATE_ATTR] = gate
         driver.scheduler_gate = gate
+        _install_look(scheduler, gate)
     return gate
+
+
+def _install_look(scheduler: Any, gate: SchedulerGate) -> None:
+    """Gives ``scheduler`` the native look (``_native.SchedulerLook``) as an instance attribute
+    that shadows the class's wrapper: the looks that decide nothing (a held request's, once per
+    step; a request without an id) then cost no Python frame. Without it (a vLLM whose
+    ``RequestStatus`` lacks the two plain statuses) the class's wrapper answers, as before."""
+    from vllm.v1.request import RequestStatus
+
+    if _vllm_check is None:
+        return
+    try:
+        plain = [RequestStatus.WAITING, RequestStatus.PREEMPTED]
+    except AttributeError:
+        logger.warning("session_gate: RequestStatus has no WAITING/PREEMPTED: Python looks")
+        return
+    look = _native.SchedulerLook(
+        _vllm_check.__get__(scheduler),
+        plain,
+        gate._decided,
+        gate._held,
+        gate.ready,
+        gate.mode == INFER,
+    )
+    gate.look = look
+    scheduler.__dict__[LOOK_ATTR] = look.look
 
 
 def _wrap_handle_blocked(original: Any, infer: bool) -> Any:
@@ -491,7 +553,7 @@ def install() -> bool:
     ``Scheduler._update_request_as_session`` (where vLLM has it) and ``EngineCore.add_request``
     (idempotent); False when the setting is off. Raises
     ``ValueError`` for a bad setting and ``AttributeError`` for a vLLM without the hook."""
-    global installed, mode
+    global installed, mode, _vllm_check
     if installed:
         return True
     wanted = mode_from_env()
@@ -502,6 +564,7 @@ def install() -> bool:
 
     handle = Scheduler._handle_blocked_waiting_request
     add = EngineCore.add_request
+    _vllm_check = handle
     Scheduler._handle_blocked_waiting_request = _wrap_handle_blocked(handle, wanted == INFER)
     EngineCore.add_request = _wrap_add_request(add)
     # Streaming input (vLLM 0.32 on): a vLLM without it has no chunks to count.

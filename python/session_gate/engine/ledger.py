@@ -180,7 +180,12 @@ LEDGER: tuple[Patch, ...] = (
         "proceed and the request carries a session_id, the engine gate's book decides, and a "
         "held request answers False. vLLM then skips it for this step (schedule()'s "
         "skip_request: into deferred_waiting, prepended back to its queue in order) and asks "
-        "again next step. A request without a session_id costs one attribute read",
+        "again next step. Once the scheduler has its gate, its instance __dict__ gets the "
+        "native look (_native.SchedulerLook, a bound method that shadows the class's wrapper) "
+        "for the looks that decide nothing: a request held with no answer (one map lookup, "
+        "vLLM's check not called: a held request waits as WAITING or PREEMPTED, where the "
+        "check does nothing), a request without a session_id, and a scheduled one; vLLM's "
+        "check runs first for every other status",
         why="the one place schedule() asks whether a waiting request may start this step, and "
         "the way vLLM itself holds requests that wait for remote KV or a grammar: a held turn "
         "keeps its place in vLLM's own waiting queue, with no client protocol",
@@ -191,6 +196,9 @@ LEDGER: tuple[Patch, ...] = (
             "vllm.v1.core.sched.scheduler:Scheduler#deferred_waiting",
             "vllm.v1.request:Request#session_id",
             "vllm.v1.request:Request#prompt_token_ids",
+            "vllm.v1.request:Request#status",
+            "vllm.v1.request:RequestStatus.WAITING",
+            "vllm.v1.request:RequestStatus.PREEMPTED",
         ),
     ),
     Patch(

@@ -157,6 +157,7 @@ class Setting:
             (core, DRIVER_ATTR),
             (self._scheduler, gate_scheduler.SCHEDULER_GATE_ATTR),
             (self._scheduler, gate_binding.SCHEDULER_DRIVER_ATTR),
+            (self._scheduler, gate_scheduler.LOOK_ATTR),
         ]
         self._saved: dict[tuple[int, str], Any] = {}
         self.state = "on"
@@ -180,6 +181,24 @@ class Setting:
 
     def set(self, state: str) -> None:
         self.on() if state == "on" else self.off()
+
+
+def replace_look(scheduler: Any, make: Any) -> Any:
+    """Puts ``make(look)`` where ``scheduler`` finds its look, ``look`` being what it calls
+    now (the native look in its ``__dict__`` when on, else the class's function, bound):
+    returns the undo."""
+    from session_gate.engine.gate_scheduler import LOOK_ATTR
+
+    had = scheduler.__dict__.get(LOOK_ATTR)
+    scheduler.__dict__[LOOK_ATTR] = make(getattr(scheduler, LOOK_ATTR))
+
+    def undo() -> None:
+        if had is None:
+            scheduler.__dict__.pop(LOOK_ATTR, None)
+        else:
+            scheduler.__dict__[LOOK_ATTR] = had
+
+    return undo
 
 
 # -- (a) the plain workload -------------------------------------------------------------------
@@ -254,17 +273,16 @@ def _in_situ(llm: Any, setting: Setting, workload: list[tuple[list[int], int]]) 
     wrapper with vLLM's function inside; the gate's part of a free exists only when on). The
     on round's sum over the sites bounds the setting's direct time in the engine loop from
     above: it holds the wrappers and vLLM's own work inside them."""
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
     from session_gate.engine import gate_binding
 
+    scheduler = _core(llm).scheduler
     out: dict[str, Any] = {}
     for state in ("off", "on"):
         setting.set(state)
         calls = dict.fromkeys(_SITES, 0)
         ns = dict.fromkeys(_SITES, 0)
-        look = Scheduler._handle_blocked_waiting_request
         add = EngineCore.add_request
         post = EngineCore.post_step
         free = gate_binding._free_scheduled
@@ -282,14 +300,14 @@ def _in_situ(llm: Any, setting: Setting, workload: list[tuple[list[int], int]]) 
 
             return call
 
-        Scheduler._handle_blocked_waiting_request = timed("look", look)
+        undo_look = replace_look(scheduler, lambda look: timed("look", look))
         EngineCore.add_request = timed("add", add)
         EngineCore.post_step = timed("post_step", post)
         gate_binding._free_scheduled = timed("free", free)
         try:
             r = run_plain(llm, workload, f"situ-{state}")
         finally:
-            Scheduler._handle_blocked_waiting_request = look
+            undo_look()
             EngineCore.add_request = add
             EngineCore.post_step = post
             gate_binding._free_scheduled = free
@@ -328,8 +346,8 @@ def floor_ns(llm: Any, calls: int) -> dict[str, float]:
     core = _core(llm)
     scheduler = core.scheduler
     request = Request("floor-0", [5, 6, 7], SamplingParams(max_tokens=1), None)
-    wrapped_look = Scheduler._handle_blocked_waiting_request
-    bare_look = wrapped_look.__wrapped__
+    wrapped_look = scheduler._handle_blocked_waiting_request  # the native look when on
+    bare_look = Scheduler._handle_blocked_waiting_request.__wrapped__.__get__(scheduler)
 
     def noop(self: Any, *args: Any) -> None:
         return None
@@ -352,8 +370,8 @@ def floor_ns(llm: Any, calls: int) -> dict[str, float]:
         pass
 
     out = {
-        "look_ns": _best_ns(wrapped_look, (scheduler, request), calls)
-        - _best_ns(bare_look, (scheduler, request), calls),
+        "look_ns": _best_ns(wrapped_look, (request,), calls)
+        - _best_ns(bare_look, (request,), calls),
         "free_ns": _best_ns(get_gate, (scheduler, request), calls)
         - _best_ns(get_none, (scheduler, request), calls),
         "add_ns": _best_ns(add_wrapped, (core, request), calls)
@@ -477,22 +495,25 @@ class GateTimers:
         self._undo: list[Any] = []
 
     def install(self) -> None:
-        from vllm.v1.core.sched.scheduler import Scheduler
-
         from session_gate.engine import gate_binding
         from session_gate.engine.gate_driver import EngineGateDriver
 
         gate, book, driver = self.gate, self.book, self.driver
         counters, dcounters = gate.counters, driver.counters
         held_map, queued, decided = gate._held, gate._queued, gate._decided
-        look = Scheduler._handle_blocked_waiting_request
         free = gate_binding._free_scheduled
         tick = EngineGateDriver.tick
         admit, ready, release, ticks = self.admit, self.ready, self.release, self.ticks
 
-        def timed_look(self: Any, request: Any) -> bool:
+        def timed_look(look: Any) -> Any:
+            def call(request: Any) -> bool:
+                return _timed_look(look, request)
+
+            return call
+
+        def _timed_look(look: Any, request: Any) -> bool:
             if not request.session_id:
-                return look(self, request)
+                return look(request)
             rid = request.request_id
             kind = (
                 "held"
@@ -506,7 +527,7 @@ class GateTimers:
             gated, held = counters["gated"], counters["held"]
             t = _clock()
             try:
-                return look(self, request)
+                return look(request)
             finally:
                 ns = _clock() - t
                 if counters["gated"] != gated:
@@ -534,13 +555,13 @@ class GateTimers:
                 ticks.append(_clock() - t)
 
         book.time_parts = True
-        Scheduler._handle_blocked_waiting_request = timed_look
+        undo_look = replace_look(self.core.scheduler, timed_look)
         gate_binding._free_scheduled = timed_free
         EngineGateDriver.tick = timed_tick
 
         def undo() -> None:
             book.time_parts = False
-            Scheduler._handle_blocked_waiting_request = look
+            undo_look()
             gate_binding._free_scheduled = free
             EngineGateDriver.tick = tick
 
