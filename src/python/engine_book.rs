@@ -27,7 +27,7 @@ use crate::gate::book::{Answer, BookProbes, EngineBook, Resolved};
 use crate::gate::{Admission, GateCore, PrefixReport, Reason, UsageReport};
 
 /// A client id, ticket or session id longer than this is refused (they are map keys).
-const MAX_ID_LEN: usize = 256;
+pub(crate) const MAX_ID_LEN: usize = 256;
 
 /// How every bad-input error of the engine gate starts (`gate_driver.BAD_GATE_INPUT`; the HTTP
 /// routes answer it with 400).
@@ -417,6 +417,17 @@ fn answer_dict<'py, S: IntoPyObject<'py> + Copy>(
     }
 }
 
+/// An admit's checked arguments.
+struct Admit<'a, 'py> {
+    session_id: &'a str,
+    token_ids: &'a Bound<'py, PyAny>,
+    prompt_tokens: usize,
+    max_tokens: usize,
+    retain_session: bool,
+    ticket: &'a str,
+    client_id: &'a str,
+}
+
 impl PyEngineGateBook {
     /// Starts a call's part timings (when on): its argument checks took until now.
     fn start_parts(&mut self, started: Instant) {
@@ -509,30 +520,16 @@ impl PyEngineGateBook {
                 .map_err(|e| PyValueError::new_err(format!("token_ids: {e}")))?
                 .len(),
         };
-        let payload = Payload {
-            token_ids: token_ids.clone().unbind(),
-            future: None,
+        let admit = Admit {
+            session_id,
+            token_ids,
+            prompt_tokens,
+            max_tokens,
+            retain_session,
+            ticket,
+            client_id,
         };
-        self.start_parts(started);
-        let now = self.now(started);
-        let answer = self.with_book(py, |book, probes| {
-            book.admit(
-                ticket,
-                client_id,
-                session_id,
-                prompt_tokens,
-                max_tokens,
-                retain_session,
-                payload,
-                now,
-                probes,
-            )
-            .map_err(|e| match e {
-                Error::InvalidInput(m) => PyValueError::new_err(m),
-                e => e.into(),
-            })
-        })?;
-        match answer {
+        match self.admit_checked(py, started, admit)? {
             Some(a) => {
                 let answered = self.time_parts.then(Instant::now);
                 let ticket_str = ticket_str.expect("a ticket was read above");
@@ -547,13 +544,88 @@ impl PyEngineGateBook {
                 }
                 Ok(d.into_any().unbind())
             }
-            None => {
-                let future = self.future_cls.bind(py).call0()?.unbind();
-                if let Some(p) = self.book.payload_mut(ticket) {
-                    p.future = Some(future.clone_ref(py));
+            None => self.defer(py, ticket),
+        }
+    }
+
+    /// An admit whose arguments are checked: the book's answer if it ends now, else `None`
+    /// (the attempt waits: [`Self::defer`] gives its caller a future).
+    fn admit_checked<'py>(
+        &mut self,
+        py: Python<'py>,
+        started: Instant,
+        a: Admit<'_, 'py>,
+    ) -> PyResult<Option<Answer>> {
+        let payload = Payload {
+            token_ids: a.token_ids.clone().unbind(),
+            future: None,
+        };
+        self.start_parts(started);
+        let now = self.now(started);
+        self.with_book(py, |book, probes| {
+            book.admit(
+                a.ticket,
+                a.client_id,
+                a.session_id,
+                a.prompt_tokens,
+                a.max_tokens,
+                a.retain_session,
+                payload,
+                now,
+                probes,
+            )
+            .map_err(|e| match e {
+                Error::InvalidInput(m) => PyValueError::new_err(m),
+                e => e.into(),
+            })
+        })
+    }
+
+    /// The future the waiting attempt `ticket` is answered through.
+    fn defer(&mut self, py: Python<'_>, ticket: &str) -> PyResult<Py<PyAny>> {
+        let future = self.future_cls.bind(py).call0()?.unbind();
+        if let Some(p) = self.book.payload_mut(ticket) {
+            p.future = Some(future.clone_ref(py));
+        }
+        Ok(future)
+    }
+
+    /// The scheduler's native look's admit (`SchedulerLook`): `admit_trusted` without its
+    /// Python objects. `session_id`, `ticket` and `client_id` are checked by the caller (non
+    /// empty, at most [`MAX_ID_LEN`] bytes), `token_ids` is vLLM's own prompt of
+    /// `prompt_tokens`. The book's answer if it ends now (no dict is built), else the future
+    /// its answer comes through.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn admit_native(
+        &mut self,
+        py: Python<'_>,
+        session_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        prompt_tokens: usize,
+        max_tokens: usize,
+        ticket: &str,
+        client_id: &str,
+    ) -> PyResult<Result<Answer, Py<PyAny>>> {
+        let started = Instant::now();
+        let admit = Admit {
+            session_id,
+            token_ids,
+            prompt_tokens,
+            max_tokens,
+            retain_session: true,
+            ticket,
+            client_id,
+        };
+        match self.admit_checked(py, started, admit)? {
+            Some(a) => {
+                let us = started.elapsed().as_secs_f64() * 1e6;
+                self.admit_time.record(us);
+                if self.time_parts {
+                    self.parts.total_ns = started.elapsed().as_nanos() as u64;
                 }
-                Ok(future)
+                Ok(Ok(a))
             }
+            None => Ok(Err(self.defer(py, ticket)?)),
         }
     }
 

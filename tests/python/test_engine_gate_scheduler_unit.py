@@ -4,6 +4,7 @@ session, refused ids, keep-alive). The real engine's tests are ``test_engine_gat
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -269,17 +270,16 @@ def native_look(gate: SchedulerGate, vllm_says: list[bool], calls: list) -> obje
         calls.append(("vllm", request.request_id))
         return vllm_says[0]
 
+    python_ready = gate.ready
+
     def ready(request) -> bool:
         calls.append(("ready", getattr(request, "request_id", None)))
-        return gate.ready(request)
+        return python_ready(request)
 
+    gate.ready = ready  # what the native look calls for the looks it hands on
+    book = gate._book if isinstance(gate._book, native.EngineGateBook) else None
     gate.look = native.SchedulerLook(
-        vllm_check,
-        [Status.WAITING, Status.PREEMPTED],
-        gate._decided,
-        gate._held,
-        ready,
-        gate.mode == gate_scheduler.INFER,
+        vllm_check, [Status.WAITING, Status.PREEMPTED], gate, SCHEDULER_CLIENT, book
     )
     return gate.look.look
 
@@ -342,3 +342,90 @@ def test_an_aborted_hold_leaves_nothing_in_the_native_look():
     gate.on_free(r)
     assert gate.look.holding == 0 and driver._book.cancelled == ["sched:0"]
     assert gate.stats()["holding"] == 0
+
+
+class NativeDriver(Driver):
+    """The real native book over a stand-in block pool of ``blocks`` blocks of 16 tokens."""
+
+    def __init__(self, blocks: int = 64, free: int = 64) -> None:
+        from session_gate.engine.gate_driver import native_book
+
+        native = pytest.importorskip("session_gate._native")
+        pool = SimpleNamespace(
+            num_gpu_blocks=blocks + 1, free_block_queue=SimpleNamespace(num_free_blocks=free)
+        )
+        state = SimpleNamespace(block_pool=pool, block_size=16, vocab_size=1000, max_model_len=4096)
+
+        def walk(session_id, token_ids) -> dict:  # nothing resident: a cold prompt
+            n = len(token_ids)
+            return {"hit_ratio": 0.0, "hit_blocks": 0, "hit_tokens": 0, "prompt_tokens": n}
+
+        config = native.GateConfig(high_watermark=0.9)
+        self._book = native_book(native, config, 30.0, state, walk, lambda at: None)
+        self.released = []
+
+    def release_bound(self, lease: int) -> bool:
+        self.released.append(lease)
+        return self._book.release(lease)
+
+
+def prompt_request(rid: str, session: str | None, tokens: int, max_tokens: int = 16):
+    r = request(rid, session)
+    r.prompt_token_ids = list(range(1, tokens + 1))
+    r.sampling_params = SimpleNamespace(max_tokens=max_tokens)
+    r.status = Status.WAITING
+    return r
+
+
+def test_the_native_look_admits_first_looks_through_the_real_book():
+    driver = NativeDriver()
+    gate = SchedulerGate(driver)
+    calls: list = []
+    look = native_look(gate, [True], calls)
+    r = prompt_request("a", "s1", 100)
+    assert look(r) is True  # admitted in the look: no Python frame
+    assert calls == [] and isinstance(gate._decided["a"], int)
+    s = gate.stats()
+    assert (s["gated"], s["admitted"], s["leases"], s["held"]) == (1, 1, 1, 0)
+    assert sum(s["admitted_by_reason"].values()) == 1
+    assert look(r) is True and calls == []  # re-queued after a preemption: decided
+    lease = gate._decided["a"]
+    gate.on_free(r)
+    assert driver.released == [lease]
+    s = gate.stats()
+    assert (s["leases"], s["admitted"]) == (0, 1)
+    assert driver._book.stats()["engine_gate"]["leases_held"] == 0
+    # Looks the native look hands on: no id, a bad id, no prompt.
+    for odd in (
+        prompt_request("n", None, 10),
+        prompt_request("x", "x" * 300, 10),
+        prompt_request("e", "s2", 0),
+    ):
+        assert look(odd) is True
+    assert [rid for _, rid in calls] == ["x", "e"]  # the no-id request never reaches Python
+    s = gate.stats()
+    assert (s["gated"], s["bad_session_ids"], s["ungated"]) == (1, 1, 1)
+
+
+def test_a_first_look_the_book_holds_is_kept_by_the_python_gate_and_then_admitted():
+    driver = NativeDriver(blocks=64, free=64)
+    gate = SchedulerGate(driver)
+    calls: list = []
+    look = native_look(gate, [True], calls)
+    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
+    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
+    assert look(big) is True
+    assert look(other) is False  # no room under the line: held
+    assert gate.look.holding == 1 and "b" in gate._held and calls == []
+    assert look(other) is False and calls == []  # later looks: the native map
+    gate.on_free(big)  # the first turn ends; its session keeps its room while idle ...
+    assert gate.look.holding == 1
+    driver._book.finish("s1", None, time.monotonic())  # ... until it ends: b is admitted
+    assert gate.look.holding == 0
+    assert look(other) is True  # the answer is taken by the Python gate
+    assert calls == [("ready", "b")]
+    s = gate.stats()
+    assert (s["gated"], s["held"], s["admitted"], s["leases"], s["holding"]) == (2, 1, 2, 1, 0)
+    gate.on_free(other)
+    assert gate.stats()["leases"] == 0
+    driver._book.check_invariants()

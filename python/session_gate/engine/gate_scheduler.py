@@ -211,7 +211,8 @@ class SchedulerGate:
         #: ``session_gate_stats("inferred")`` answers (to audit the rule on a known workload).
         self.recent_inferred: deque[tuple[str, str, str]] = deque(maxlen=RECENT_INFERRED)
         self._decided: dict[str, int | None] = {}
-        #: Leases among ``_decided`` (read on every tick: no scan).
+        #: Leases granted here less every release of one (read on every tick: no scan); the
+        #: native look counts its own grants (:meth:`_lease_count` adds them up).
         self._leases = 0
         self._held: dict[str, _Held] = {}
         self._held_sessions: dict[str, str] = {}
@@ -260,7 +261,7 @@ class SchedulerGate:
             return False
         self._queued.discard(rid)
         max_tokens = params.max_tokens if params.max_tokens is not None else 0
-        ticket = f"sched:{next(self._tickets)}"
+        ticket = self._ticket()
         try:
             answer = self._book.admit_trusted(
                 session_id, tokens, max_tokens, ticket, SCHEDULER_CLIENT
@@ -280,11 +281,26 @@ class SchedulerGate:
         if isinstance(answer, Future):
             if answer.done():
                 return self._answered(rid, None, answer.result())
-            self._held[rid] = _Held(answer, session_id, ticket, _now(), request, self.look)
-            self._held_sessions[session_id] = rid
-            self.counters["held"] += 1
-            return False
+            return self._hold(request, rid, session_id, ticket, answer)
         return self._answered(rid, None, answer)
+
+    def _hold(self, request: Any, rid: str, session_id: str, ticket: str, future: Future) -> bool:
+        """Holds ``request``: its admit (``ticket``) waits for the book's answer (``future``).
+        Also the native look's, for the first looks it admits."""
+        self._held[rid] = _Held(future, session_id, ticket, _now(), request, self.look)
+        self._held_sessions[session_id] = rid
+        self.counters["held"] += 1
+        return False
+
+    def _ticket(self) -> str:
+        """A new ticket: the native look numbers them when there is one (it admits too)."""
+        if self.look is not None:
+            return self.look.ticket()
+        return f"sched:{next(self._tickets)}"
+
+    def _lease_count(self) -> int:
+        """Leases held: granted here or by the native look, less those released here."""
+        return self._leases + (0 if self.look is None else self.look.leases)
 
     def _infer(self, request: Any, rid: str) -> str | None:
         """The inferred session of a request without an id (once per request: a later look
@@ -370,7 +386,7 @@ class SchedulerGate:
     def keep_alive(self, now: float) -> None:
         """Renews the scheduler's client while it holds leases or attempts: the requests are
         alive as long as vLLM has them, whatever the lease TTL."""
-        if self._held or self._leases:
+        if self._held or self._lease_count():
             self._book.renew(SCHEDULER_CLIENT, now)
 
     # -- counters ---------------------------------------------------------------------------
@@ -396,14 +412,20 @@ class SchedulerGate:
                 "stream_chunks_grown",
             )
         }
+        admitted_by_reason = Counter(self.admitted_by_reason)
+        if self.look is not None:  # what the native look decided on its own
+            native = self.look.counts()
+            for key in ("gated", "admitted", "max_wait", *(k for k in native if "ungated_" in k)):
+                out[key] += native[key]
+            admitted_by_reason.update(native["admitted_by_reason"])
         out["mode"] = self.mode
         if self._inference is not None:
             out["inferred"] = self._inference.stats()
         out["holding"] = len(self._held) + len(self._queued)
         # Held requests whose looks the native look answers (None: no native look here).
         out["native_holding"] = None if self.look is None else self.look.holding
-        out["leases"] = self._leases
-        out["admitted_by_reason"] = dict(self.admitted_by_reason)
+        out["leases"] = self._lease_count()
+        out["admitted_by_reason"] = dict(admitted_by_reason)
         return out
 
     def prometheus(self) -> str:
@@ -477,13 +499,9 @@ def _install_look(scheduler: Any, gate: SchedulerGate) -> None:
     except AttributeError:
         logger.warning("session_gate: RequestStatus has no WAITING/PREEMPTED: Python looks")
         return
+    book = gate._book if isinstance(gate._book, _native.EngineGateBook) else None
     look = _native.SchedulerLook(
-        _vllm_check.__get__(scheduler),
-        plain,
-        gate._decided,
-        gate._held,
-        gate.ready,
-        gate.mode == INFER,
+        _vllm_check.__get__(scheduler), plain, gate, SCHEDULER_CLIENT, book
     )
     gate.look = look
     scheduler.__dict__[LOOK_ATTR] = look.look
