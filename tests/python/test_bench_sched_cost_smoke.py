@@ -60,8 +60,15 @@ def test_bench_sched_cost_smoke():
         "release_prefix_walk_us_per_gated_request",
         "tick_us_per_gated_request",
         "typical_us_per_gated_request",
+        "timer_us_per_gated_request",
     ):
         assert _finite(b[key]) and b[key] >= 0, (key, b)
+    # The net figures take the timers' own clock reads out of the same sums.
+    for kind in ("total", "typical"):
+        net = b[f"{kind}_net_of_timers_us_per_gated_request"]
+        assert math.isclose(
+            net, b[f"{kind}_us_per_gated_request"] - b["timer_us_per_gated_request"]
+        )
     assert b["ready_us_per_gated_request"] > 0 and b["ready_looks_per_gated_request"] > 0, b
     total = sum(b[f"{k}_us_per_gated_request"] for k in ("admit", "ready", "release"))
     assert math.isclose(b["total_us_per_gated_request"], total)
