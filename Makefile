@@ -26,8 +26,10 @@ lint: setup
 test-rust:
 	cargo test
 
+# The slowest tests are listed at the end (make test sits near its 40-minute budget on a 2-core
+# VM without AMX: the list says where time goes).
 test-python: setup
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q --durations=25 tests/python
 
 # The checks that need no running engine, against vLLM 0.33.0 (the GPU wheel, overlaid on this
 # venv by scripts/setup.sh): patch ledger, hashing differential, probe fidelity and read-only
