@@ -287,7 +287,7 @@ fn optional_id<'a>(name: &str, value: Option<&'a Bound<'_, PyAny>>) -> PyResult<
 }
 
 /// An int that is not a bool (Python's `bool` is an `int`).
-fn plain_int<'a>(value: &'a Bound<'_, PyAny>) -> Option<&'a Bound<'a, PyAny>> {
+pub(crate) fn plain_int<'a>(value: &'a Bound<'_, PyAny>) -> Option<&'a Bound<'a, PyAny>> {
     (value.cast::<PyInt>().is_ok() && value.cast::<PyBool>().is_err()).then_some(value)
 }
 
@@ -345,10 +345,7 @@ fn admission_dict<'py, S: IntoPyObject<'py> + Copy>(
     a: &Admission,
     reasons: &ReasonStrs,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let reason = Reason::ALL
-        .iter()
-        .position(|r| *r == a.reason)
-        .expect("Reason::ALL lists every reason");
+    let reason = a.reason.index();
     // Every key is there already, with `status`'s value and the common ones (see
     // `reason_strs`): each item below replaces a value, nothing grows, and a value the
     // template already has is not set again (on the engine thread every item is a few cache
@@ -418,14 +415,14 @@ fn answer_dict<'py, S: IntoPyObject<'py> + Copy>(
 }
 
 /// An admit's checked arguments.
-struct Admit<'a, 'py> {
-    session_id: &'a str,
-    token_ids: &'a Bound<'py, PyAny>,
-    prompt_tokens: usize,
-    max_tokens: usize,
-    retain_session: bool,
-    ticket: &'a str,
-    client_id: &'a str,
+pub(crate) struct Admit<'a, 'py> {
+    pub session_id: &'a str,
+    pub token_ids: &'a Bound<'py, PyAny>,
+    pub prompt_tokens: usize,
+    pub max_tokens: usize,
+    pub retain_session: bool,
+    pub ticket: &'a str,
+    pub client_id: &'a str,
 }
 
 impl PyEngineGateBook {
@@ -591,31 +588,17 @@ impl PyEngineGateBook {
     }
 
     /// The scheduler's native look's admit (`SchedulerLook`): `admit_trusted` without its
-    /// Python objects. `session_id`, `ticket` and `client_id` are checked by the caller (non
-    /// empty, at most [`MAX_ID_LEN`] bytes), `token_ids` is vLLM's own prompt of
-    /// `prompt_tokens`. The book's answer if it ends now (no dict is built), else the future
-    /// its answer comes through.
-    #[allow(clippy::too_many_arguments)]
+    /// Python objects. The caller has checked `admit`'s ids (non empty, at most
+    /// [`MAX_ID_LEN`] bytes); its `token_ids` are vLLM's own prompt of `prompt_tokens`. The
+    /// book's answer if it ends now (no dict is built), else the future its answer comes
+    /// through.
     pub(crate) fn admit_native(
         &mut self,
         py: Python<'_>,
-        session_id: &str,
-        token_ids: &Bound<'_, PyAny>,
-        prompt_tokens: usize,
-        max_tokens: usize,
-        ticket: &str,
-        client_id: &str,
+        admit: Admit<'_, '_>,
     ) -> PyResult<Result<Answer, Py<PyAny>>> {
         let started = Instant::now();
-        let admit = Admit {
-            session_id,
-            token_ids,
-            prompt_tokens,
-            max_tokens,
-            retain_session: true,
-            ticket,
-            client_id,
-        };
+        let ticket = admit.ticket;
         match self.admit_checked(py, started, admit)? {
             Some(a) => {
                 let us = started.elapsed().as_secs_f64() * 1e6;

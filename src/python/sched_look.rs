@@ -22,9 +22,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyInt, PyList, PySet, PyString};
+use pyo3::types::{PyDict, PyList, PySet, PyString};
 
-use super::engine_book::{MAX_ID_LEN, PyEngineGateBook};
+use super::engine_book::{Admit, MAX_ID_LEN, PyEngineGateBook, plain_int};
 use super::guard::no_panic;
 use crate::gate::Reason;
 use crate::gate::book::Answer;
@@ -160,27 +160,26 @@ impl SchedulerLook {
         let max_tokens = params.getattr(intern!(py, "max_tokens"))?;
         let max_tokens = if max_tokens.is_none() {
             0
-        } else if max_tokens.cast::<PyInt>().is_ok() && max_tokens.cast::<PyBool>().is_err() {
-            match max_tokens.extract::<usize>() {
-                Ok(n) => n,
-                Err(_) => return Ok(None),
-            }
         } else {
-            return Ok(None);
+            match plain_int(&max_tokens).map(|m| m.extract::<usize>()) {
+                Some(Ok(n)) => n,
+                _ => return Ok(None),
+            }
         };
         let ticket = self.ticket();
         let Ok(mut book) = book.bind(py).try_borrow_mut() else {
             return Ok(None);
         };
-        let answer = match book.admit_native(
-            py,
+        let admit = Admit {
             session_id,
-            &tokens,
+            token_ids: &tokens,
             prompt_tokens,
             max_tokens,
-            &ticket,
-            &self.client_id,
-        ) {
+            retain_session: true,
+            ticket: &ticket,
+            client_id: &self.client_id,
+        };
+        let answer = match book.admit_native(py, admit) {
             Ok(a) => a,
             Err(_) => return Ok(None), // the Python gate asks again, and counts what it gets
         };
@@ -195,9 +194,7 @@ impl SchedulerLook {
                 if a.reason == Reason::MaxWait {
                     c.max_wait += 1;
                 }
-                if let Some(i) = Reason::ALL.iter().position(|r| *r == a.reason) {
-                    c.by_reason[i] += 1;
-                }
+                c.by_reason[a.reason.index()] += 1;
                 Ok(Some(true))
             }
             Ok(other) => {

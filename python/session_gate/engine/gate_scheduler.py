@@ -490,10 +490,10 @@ def _install_look(scheduler: Any, gate: SchedulerGate) -> None:
     that shadows the class's wrapper: the looks that decide nothing (a held request's, once per
     step; a request without an id) then cost no Python frame. Without it (a vLLM whose
     ``RequestStatus`` lacks the two plain statuses) the class's wrapper answers, as before."""
-    from vllm.v1.request import RequestStatus
-
     if _vllm_check is None:
         return
+    from vllm.v1.request import RequestStatus
+
     try:
         plain = [RequestStatus.WAITING, RequestStatus.PREEMPTED]
     except AttributeError:

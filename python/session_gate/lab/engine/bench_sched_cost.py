@@ -510,33 +510,30 @@ class GateTimers:
 
         def timed_look(look: Any) -> Any:
             def call(request: Any) -> bool:
-                return _timed_look(look, request)
+                if not request.session_id:
+                    return look(request)
+                rid = request.request_id
+                kind = (
+                    "held"
+                    if rid in held_map
+                    else "queued"
+                    if rid in queued
+                    else "decided"
+                    if rid in decided
+                    else "first"
+                )
+                gated, held = gated_count(), counters["held"]
+                t = _clock()
+                try:
+                    return look(request)
+                finally:
+                    ns = _clock() - t
+                    if gated_count() != gated:
+                        admit.append((ns, dict(book.last_parts()), counters["held"] != held))
+                    else:
+                        ready["queued" if kind == "first" else kind].append(ns)
 
             return call
-
-        def _timed_look(look: Any, request: Any) -> bool:
-            if not request.session_id:
-                return look(request)
-            rid = request.request_id
-            kind = (
-                "held"
-                if rid in held_map
-                else "queued"
-                if rid in queued
-                else "decided"
-                if rid in decided
-                else "first"
-            )
-            gated, held = gated_count(), counters["held"]
-            t = _clock()
-            try:
-                return look(request)
-            finally:
-                ns = _clock() - t
-                if gated_count() != gated:
-                    admit.append((ns, dict(book.last_parts()), counters["held"] != held))
-                else:
-                    ready["queued" if kind == "first" else kind].append(ns)
 
         def released() -> int:
             return dcounters["leases_released_by_request"] + dcounters["bound_releases_unknown"]
