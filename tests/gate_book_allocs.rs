@@ -134,6 +134,55 @@ fn an_open_admit_and_its_release_allocate_only_their_ids() {
     assert!(n <= 1.5, "{n} allocations per admit + release");
 }
 
+/// A pool of 1000 blocks at 95% usage with nothing resident: every new admit waits.
+struct Full;
+
+impl BookProbes<()> for Full {
+    fn usage(&mut self) -> Result<UsageReport, String> {
+        Ok(usage_report(0.95, 1000, 16))
+    }
+    fn prefix(&mut self, _: &str, _: &()) -> (Result<PrefixReport, String>, f64) {
+        (Ok(PrefixReport::default()), 0.0)
+    }
+}
+
+/// Allocations of one release while `waiters` admits wait in line behind it (the cache stays
+/// full and another lease stays committed, so the head of the line, woken by the release,
+/// waits again).
+fn allocs_per_release_before(waiters: usize) -> u64 {
+    let mut b = book();
+    let mut admit_open = |name: &str| match b
+        .admit(name, "client-0", name, 32, 1, false, (), 0.0, &mut Open)
+        .unwrap()
+    {
+        Some(Answer::Admitted(a)) => a.lease.0,
+        other => panic!("{name} is admitted on an open cache, got {other:?}"),
+    };
+    let (held, _kept) = (admit_open("holder"), admit_open("keeper"));
+    for i in 0..waiters {
+        let (ticket, session) = (format!("ticket-{i}"), format!("waiter-{i}"));
+        let answer = b
+            .admit(&ticket, "client-0", &session, 32, 1, false, (), 0.1, &mut Full)
+            .unwrap();
+        assert!(answer.is_none(), "waiter {i} waits on a full cache: {answer:?}");
+    }
+    let before = allocs();
+    assert!(b.release(held, Some("client-0"), 0.2, &mut Full));
+    let n = allocs() - before;
+    let resolved = b.take_resolved();
+    assert!(resolved.is_empty(), "every waiter still waits: {resolved:?}");
+    n
+}
+
+#[test]
+fn a_release_polls_only_the_waiters_it_may_let_in() {
+    // The release moves the epoch: the head of the line is polled (and waits again); the
+    // others would answer the same wait, so they are not polled, and cost nothing each.
+    let (few, many) = (allocs_per_release_before(2), allocs_per_release_before(40));
+    println!("allocations per release: {few} with 2 waiters, {many} with 40");
+    assert_eq!(few, many, "a release costs more with more waiters in line");
+}
+
 #[test]
 #[ignore = "timing; run with --release --ignored --nocapture"]
 fn time_per_open_admit_and_release() {

@@ -5,6 +5,8 @@
 //! - no reservation outlives its session's window: once every lease is released and the idle
 //!   grace has passed, nothing is reserved or committed;
 //! - every waiter is eventually admitted, preempted or cancelled once room frees up;
+//! - a waiter the core says would not wake (`would_wake`) answers a poll with a `Wait` and
+//!   changes nothing;
 //! - FIFO among cold waiters: whatever order the drivers poll them in, cold sessions that each
 //!   need most of the cache are admitted in the order they arrived.
 use proptest::prelude::*;
@@ -183,6 +185,18 @@ proptest! {
         for op in &ops {
             d.apply(op);
             prop_assert_eq!(d.core.check_invariants(), Ok(()), "after {:?}", op);
+            // A waiter the core says would not wake answers a poll with its Wait and changes
+            // nothing: the engine book leaves such waiters unpolled when the epoch moves.
+            d.core.expire(d.now);
+            for &id in &d.attempts {
+                if !d.core.would_wake(id, d.now) {
+                    let (epoch, stats) = (d.core.epoch(), d.core.stats());
+                    let action = d.core.poll(id, d.now);
+                    prop_assert!(matches!(action, Ok(Action::Wait { .. })), "{:?}", action);
+                    prop_assert_eq!(d.core.epoch(), epoch);
+                    prop_assert_eq!(d.core.stats(), stats);
+                }
+            }
         }
 
         // Room frees up: every lease is released. Each remaining waiter, driven with an empty

@@ -602,8 +602,11 @@ impl<T> EngineBook<T> {
         p
     }
 
-    /// Wakes every waiter while the epoch moves (the core answers a spurious wake-up with the
-    /// same `Wait`, without a probe).
+    /// Wakes the waiters the epoch's move may concern while it moves: the ones the core would
+    /// answer with something other than the same `Wait` ([`GateCore::would_wake`]: the head of
+    /// the queue, preempted attempts, deadlines passed). The others stay parked as they are,
+    /// unpolled: in the engine loop every admit and release moves the epoch while a queue of
+    /// held turns waits, and a poll of each costs more than its look.
     fn settle(&mut self, now: f64, probes: &mut impl BookProbes<T>) {
         if self.waiting.is_empty() {
             // Nobody to wake (the common case after a release): just note the epoch.
@@ -611,9 +614,20 @@ impl<T> EngineBook<T> {
             return;
         }
         while self.core.epoch() != self.epoch {
+            // A poll purges ended grace windows first; so does this, once for all of them.
+            self.core.expire(now);
             self.epoch = self.core.epoch();
-            let parked: Vec<String> = self.waiting.values().cloned().collect();
-            for ticket in parked {
+            let woken: Vec<String> = self
+                .waiting
+                .values()
+                .filter(|t| {
+                    self.attempts
+                        .get(t.as_str())
+                        .is_some_and(|p| self.core.would_wake(p.attempt, now))
+                })
+                .cloned()
+                .collect();
+            for ticket in woken {
                 let still = self
                     .attempts
                     .get(&ticket)

@@ -201,7 +201,7 @@ impl ProxyMetrics {
         let name = "session_gate_proxy_placements_total";
         let _ = writeln!(
             out,
-            "# HELP {name} Placement decisions by reason: new, held (a new session no replica would take yet; each ask counts), resident, cold_stay, cold_move, slow_move, down_move, found (a session this proxy had not seen, found resident on one replica)."
+            "# HELP {name} Placement decisions by reason: new, held (a new session no replica would take yet; each ask counts), new_move (a new session moved while its first turn waited), resident, cold_stay, cold_move, slow_move, down_move, found (a session this proxy had not seen, found resident on one replica). A turn moved while it waits counts once at arrival and once for the move."
         );
         let _ = writeln!(out, "# TYPE {name} counter");
         for (reason, n) in placements.by_reason() {

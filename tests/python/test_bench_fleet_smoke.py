@@ -1,9 +1,9 @@
 """A tiny ``make bench-fleet`` end to end: two real CPU ``vllm serve`` replicas (tiny dummy model),
 4 sessions x 3 turns, one round of ``gate`` placement through the proxy and of no gate (each
 session hashed straight to a replica). The JSON line has its shape and sane figures: every turn
-sent is counted on exactly one replica, the proxy placed every turn once by a reason, the
-hashed split is the one the session ids give. Whether the targets are met is the benchmark's to
-say, not a test's (no timed assertions).
+sent is counted on exactly one replica, the proxy decided every turn once by a reason when it
+arrived (a move while it waits counts again), the hashed split is the one the session ids give.
+Whether the targets are met is the benchmark's to say, not a test's (no timed assertions).
 
 Runs in a subprocess, as ``make bench-fleet`` does; about a minute, most of it the replicas'
 start."""
@@ -48,7 +48,12 @@ def test_bench_fleet_smoke():
 
     gate = out["figures"]["gate"]
     decided = {k: v for k, v in gate["placements"].items() if k != "held"}
-    assert decided.get("new") == SESSIONS and sum(decided.values()) == sent, gate
+    assert decided.get("new") == SESSIONS, gate
+    # Each turn is decided once when it arrives; a turn moved while it waits for its replica's
+    # gate counts once more: `new_move` always, `cold_move` when the move came while it waited
+    # (a cold_move at arrival is the arrival's decision).
+    at_arrival = sum(decided.values()) - decided.get("new_move", 0)
+    assert at_arrival - decided.get("cold_move", 0) <= sent <= at_arrival, gate
     none = out["figures"]["none"]
     assert none["placements"] == {} and none["moves"] == 0
     expected = [0, 0]

@@ -517,6 +517,22 @@ impl GateCore {
         n
     }
 
+    /// Whether a [`Self::poll`] of `attempt` at `now` (after [`Self::expire`]) would do more
+    /// than answer the same `Wait` it last gave: true unless it waits, its deadline is ahead
+    /// and nothing it can gain from happened. A driver waking its waiters after the epoch moved
+    /// polls only these: the others' answer is known, and asking costs each one a poll.
+    pub fn would_wake(&self, attempt: AttemptId, now: f64) -> bool {
+        match self.attempts.get(&attempt.0) {
+            Some(a) if !a.preempted => match a.phase {
+                Phase::Waiting { until, seen_epoch } => {
+                    now >= until || (seen_epoch != self.epoch && self.may_open(a.order))
+                }
+                _ => true,
+            },
+            _ => true,
+        }
+    }
+
     /// Increases whenever waiters should poll again (see the module docs).
     pub fn epoch(&self) -> u64 {
         self.epoch

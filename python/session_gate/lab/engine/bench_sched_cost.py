@@ -428,7 +428,10 @@ def measure_plain(
     # The engine thread's CPU time (not the time it lost its core): what the on arm adds, over
     # an off round's wall time; and the same between the off rounds of even and odd pairs.
     cpu = {state: statistics.median(r["cpu_seconds"] for r in rs) for state, rs in arms.items()}
-    cpu_halves = [statistics.median(r["cpu_seconds"] for r in arms["off"][k::2]) for k in (0, 1)]
+    aa_cpu = None
+    if len(arms["off"]) > 1:  # one round pair has no off-against-off control
+        even, odd = (statistics.median(r["cpu_seconds"] for r in arms["off"][k::2]) for k in (0, 1))
+        aa_cpu = (odd - even) / off_seconds
     return {
         "rounds": rounds,
         "requests": requests,
@@ -456,9 +459,7 @@ def measure_plain(
         "aa_cost_per_step_medians": None if aa_ratio is None else 1.0 - aa_ratio,
         "engine_thread_cpu_sec_median": cpu,
         "cost_engine_cpu": (cpu["on"] - cpu["off"]) / off_seconds,
-        "aa_cost_engine_cpu": (cpu_halves[1] - cpu_halves[0]) / off_seconds
-        if len(arms["off"]) > 1
-        else None,
+        "aa_cost_engine_cpu": aa_cpu,
         "target_cost": TARGET_COST,
         "cost_over_target": (1.0 - ratio) / TARGET_COST,
         "cost_per_step_medians_over_target": None
@@ -688,6 +689,12 @@ def measure_gated(
     native["python_rest"] = _q(
         [ns - parts.get("total", 0) for ns, parts, deferred in timers.admit if not deferred]
     )["p50_us"]
+    released = [(ns, parts) for ns, parts in timers.release if parts]
+    release_native = {
+        part: _q([parts.get(part, 0) for _, parts in released])["p50_us"]
+        for part in ("usage", "prefix", "book", "total")
+    }
+    release_native["python_rest"] = _q([ns - parts["total"] for ns, parts in released])["p50_us"]
     return {
         "sessions": sessions,
         "turns": turns,
@@ -732,6 +739,7 @@ def measure_gated(
             "tick": _q(timers.ticks),
         },
         "admit_native_parts_p50_us": native,
+        "release_native_parts_p50_us": release_native,
         "timer_ns": timer_ns,
     }
 
@@ -816,7 +824,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "    per call p50/p99 us: "
         + ", ".join(f"{k} {v['p50_us']:.2f}/{v['p99_us']:.2f} (n {v['n']})" for k, v in pc.items())
-        + f"; admit's native parts p50 {b['admit_native_parts_p50_us']}; "
+        + f"; admit's native parts p50 {b['admit_native_parts_p50_us']}; release's "
+        f"{b['release_native_parts_p50_us']}; "
         f"timer {b['timer_ns']:.0f} ns per timed call",
         flush=True,
     )
