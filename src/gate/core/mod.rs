@@ -107,7 +107,9 @@
 //! preemption, or the head of the queue leaving. A driver keeps one broadcast notification: after
 //! any call that changed the epoch it wakes every waiter, and each waiter polls again. The core
 //! answers a spurious wake-up with the same `Wait` without asking for a probe, so only the
-//! waiters that can gain (the head of the queue, preempted attempts) do any work.
+//! waiters that can gain (the head of the queue, preempted attempts) do any work. A driver
+//! that keeps its waiters in one place can skip even those polls: [`GateCore::would_wake`] says
+//! which waiters a poll would answer with anything else (the engine's book polls only them).
 //!
 //! `Wait { until }` is the earliest of `now + wait_poll_sec`, `begin + max_wait_sec`, and — for
 //! the head of the queue — the end of the next idle grace window, whose purge may let it in,
