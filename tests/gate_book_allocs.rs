@@ -162,15 +162,31 @@ fn allocs_per_release_before(waiters: usize) -> u64 {
     for i in 0..waiters {
         let (ticket, session) = (format!("ticket-{i}"), format!("waiter-{i}"));
         let answer = b
-            .admit(&ticket, "client-0", &session, 32, 1, false, (), 0.1, &mut Full)
+            .admit(
+                &ticket,
+                "client-0",
+                &session,
+                32,
+                1,
+                false,
+                (),
+                0.1,
+                &mut Full,
+            )
             .unwrap();
-        assert!(answer.is_none(), "waiter {i} waits on a full cache: {answer:?}");
+        assert!(
+            answer.is_none(),
+            "waiter {i} waits on a full cache: {answer:?}"
+        );
     }
     let before = allocs();
     assert!(b.release(held, Some("client-0"), 0.2, &mut Full));
     let n = allocs() - before;
     let resolved = b.take_resolved();
-    assert!(resolved.is_empty(), "every waiter still waits: {resolved:?}");
+    assert!(
+        resolved.is_empty(),
+        "every waiter still waits: {resolved:?}"
+    );
     n
 }
 
