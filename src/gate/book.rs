@@ -296,21 +296,9 @@ impl<T> EngineBook<T> {
         self.armed = f64::INFINITY; // the timer fired: it holds nothing now
         let expired = self.expire_clients(now);
         self.core.expire(now);
-        let due: Vec<String> = self
-            .waiting
-            .values()
-            .filter(|t| {
-                self.attempts
-                    .get(*t)
-                    .and_then(|p| p.waiting)
-                    .is_some_and(|(until, _)| until <= now)
-            })
-            .cloned()
-            .collect();
-        for ticket in due {
-            self.unpark(&ticket);
-            self.drive_and_record(&ticket, now, probes);
-        }
+        self.drive_parked(now, probes, |_, p| {
+            p.waiting.is_some_and(|(until, _)| until <= now)
+        });
         self.settle(now, probes);
         self.schedule();
         expired
@@ -617,25 +605,33 @@ impl<T> EngineBook<T> {
             // A poll purges ended grace windows first; so does this, once for all of them.
             self.core.expire(now);
             self.epoch = self.core.epoch();
-            let woken: Vec<String> = self
-                .waiting
-                .values()
-                .filter(|t| {
-                    self.attempts
-                        .get(t.as_str())
-                        .is_some_and(|p| self.core.would_wake(p.attempt, now))
-                })
-                .cloned()
-                .collect();
-            for ticket in woken {
-                let still = self
-                    .attempts
-                    .get(&ticket)
-                    .is_some_and(|p| p.waiting.is_some());
-                if still {
-                    self.unpark(&ticket);
-                    self.drive_and_record(&ticket, now, probes);
-                }
+            self.drive_parked(now, probes, |b, p| b.core.would_wake(p.attempt, now));
+        }
+    }
+
+    /// Drives the parked attempts `pick` chooses, in waiting order; each one still parked when
+    /// its turn comes (an earlier one's drive may have ended it) is unparked first, and an
+    /// ending goes to the resolved list.
+    fn drive_parked(
+        &mut self,
+        now: f64,
+        probes: &mut impl BookProbes<T>,
+        pick: impl Fn(&Self, &Pending<T>) -> bool,
+    ) {
+        let picked: Vec<String> = self
+            .waiting
+            .values()
+            .filter(|t| self.attempts.get(t.as_str()).is_some_and(|p| pick(self, p)))
+            .cloned()
+            .collect();
+        for ticket in picked {
+            let still = self
+                .attempts
+                .get(&ticket)
+                .is_some_and(|p| p.waiting.is_some());
+            if still {
+                self.unpark(&ticket);
+                self.drive_and_record(&ticket, now, probes);
             }
         }
     }

@@ -640,6 +640,16 @@ def _q(ns: list[int]) -> dict[str, float]:
     return {"n": len(ns), "p50_us": q[49] / 1e3, "p99_us": q[98] / 1e3}
 
 
+def _native_parts_p50(
+    calls: list[tuple[int, dict[str, int]]], parts: tuple[str, ...]
+) -> dict[str, float]:
+    """The p50 of each of the book's timed ``parts`` over ``calls`` (each its ns and the book's
+    ``last_parts()``), and of the time around the native call (``python_rest``)."""
+    p50 = {part: _q([p.get(part, 0) for _, p in calls])["p50_us"] for part in parts}
+    p50["python_rest"] = _q([ns - p.get("total", 0) for ns, p in calls])["p50_us"]
+    return p50
+
+
 def measure_gated(
     llm: Any, sessions: int, turns: int, prompt: int, append: int, max_tokens: int, seed: int
 ) -> dict[str, Any]:
@@ -681,20 +691,14 @@ def measure_gated(
     # The timers' own clock reads, per gated request (every admit, look and release is timed).
     timer_ns = _timer_ns()
     timer_us = timer_ns * (len(timers.admit) + len(looks) + len(timers.release)) / gated / 1e3
-    immediate = [parts for _, parts, deferred in timers.admit if not deferred]
-    native = {
-        part: _q([parts.get(part, 0) for parts in immediate])["p50_us"]
-        for part in ("args", "usage", "prefix", "answer", "book", "total")
-    }
-    native["python_rest"] = _q(
-        [ns - parts.get("total", 0) for ns, parts, deferred in timers.admit if not deferred]
-    )["p50_us"]
-    released = [(ns, parts) for ns, parts in timers.release if parts]
-    release_native = {
-        part: _q([parts.get(part, 0) for _, parts in released])["p50_us"]
-        for part in ("usage", "prefix", "book", "total")
-    }
-    release_native["python_rest"] = _q([ns - parts["total"] for ns, parts in released])["p50_us"]
+    native = _native_parts_p50(
+        [(ns, parts) for ns, parts, deferred in timers.admit if not deferred],
+        ("args", "usage", "prefix", "answer", "book", "total"),
+    )
+    release_native = _native_parts_p50(
+        [(ns, parts) for ns, parts in timers.release if parts],
+        ("usage", "prefix", "book", "total"),
+    )
     return {
         "sessions": sessions,
         "turns": turns,
