@@ -541,7 +541,7 @@ impl PyEngineGateBook {
                 }
                 Ok(d.into_any().unbind())
             }
-            None => self.defer(py, ticket),
+            None => self.defer(py, ticket, None),
         }
     }
 
@@ -578,9 +578,16 @@ impl PyEngineGateBook {
         })
     }
 
-    /// The future the waiting attempt `ticket` is answered through.
-    fn defer(&mut self, py: Python<'_>, ticket: &str) -> PyResult<Py<PyAny>> {
-        let future = self.future_cls.bind(py).call0()?.unbind();
+    /// The future the waiting attempt `ticket` is answered through: a `future_cls()`, or a
+    /// `sink()` (any object with `done()` and `set_result(answer)`, all the book calls).
+    fn defer(
+        &mut self,
+        py: Python<'_>,
+        ticket: &str,
+        sink: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let make = sink.unwrap_or_else(|| self.future_cls.bind(py));
+        let future = make.call0()?.unbind();
         if let Some(p) = self.book.payload_mut(ticket) {
             p.future = Some(future.clone_ref(py));
         }
@@ -591,11 +598,12 @@ impl PyEngineGateBook {
     /// Python objects. The caller has checked `admit`'s ids (non empty, at most
     /// [`MAX_ID_LEN`] bytes); its `token_ids` are vLLM's own prompt of `prompt_tokens`. The
     /// book's answer if it ends now (no dict is built), else the future its answer comes
-    /// through.
+    /// through (made by `sink()` when given: see [`Self::defer`]).
     pub(crate) fn admit_native(
         &mut self,
         py: Python<'_>,
         admit: Admit<'_, '_>,
+        sink: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Result<Answer, Py<PyAny>>> {
         let started = Instant::now();
         let ticket = admit.ticket;
@@ -608,8 +616,35 @@ impl PyEngineGateBook {
                 }
                 Ok(Ok(a))
             }
-            None => Ok(Err(self.defer(py, ticket)?)),
+            None => Ok(Err(self.defer(py, ticket, sink)?)),
         }
+    }
+
+    /// The scheduler's native free's release (`SchedulerLook.free`): `release(lease)` without
+    /// its argument checks (the lease is the book's own answer, kept by the look).
+    pub(crate) fn release_native(&mut self, py: Python<'_>, lease: u64) -> PyResult<bool> {
+        self.release_checked(py, Instant::now(), lease, None)
+    }
+
+    /// A release whose arguments are checked (`started`: the call's entry), timed as one.
+    fn release_checked(
+        &mut self,
+        py: Python<'_>,
+        started: Instant,
+        lease: u64,
+        client_id: Option<&str>,
+    ) -> PyResult<bool> {
+        self.start_parts(started);
+        let now = self.now(started);
+        let released = self.with_book(py, |book, probes| {
+            Ok(book.release(lease, client_id, now, probes))
+        })?;
+        let us = started.elapsed().as_secs_f64() * 1e6;
+        self.release_time.record(us);
+        if self.time_parts {
+            self.parts.total_ns = started.elapsed().as_nanos() as u64;
+        }
+        Ok(released)
     }
 
     fn after_call(&mut self, py: Python<'_>) -> PyResult<()> {
@@ -794,17 +829,7 @@ impl PyEngineGateBook {
                 )));
             };
             let client_id = optional_id("client_id", client_id.as_deref())?;
-            self.start_parts(started);
-            let now = self.now(started);
-            let released = self.with_book(py, |book, probes| {
-                Ok(book.release(lease, client_id, now, probes))
-            })?;
-            let us = started.elapsed().as_secs_f64() * 1e6;
-            self.release_time.record(us);
-            if self.time_parts {
-                self.parts.total_ns = started.elapsed().as_nanos() as u64;
-            }
-            Ok(released)
+            self.release_checked(py, started, lease, client_id)
         })
         .map_err(|e| bad_input(py, e))
     }

@@ -25,6 +25,7 @@ mod sim;
 mod sim_pool;
 mod sim_tier;
 mod tokens;
+mod wake_timer;
 
 /// `session_gate._native`: the engine-side probe and the gate core.
 #[pymodule]
@@ -43,5 +44,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sim_tier::register(m)?;
     inference::register(m)?;
     sched_look::register(m)?;
+    wake_timer::register(m)?;
     Ok(())
 }

@@ -16,6 +16,10 @@
 //!
 //! Installed per scheduler, as a bound method in the scheduler's instance `__dict__` (it shadows
 //! the class's function, which stays as it was for schedulers without a gate).
+//!
+//! Its `free` is the gate's part of vLLM's `_free_request` (the gate's `free`): a scheduled
+//! request's lease is released through the book with no Python frame of the gate's; held,
+//! queued and inferred requests go to the Python gate's `on_free`.
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -37,8 +41,10 @@ struct Counts {
     max_wait: u64,
     /// Answers other than an admission, by status: preempted, cancelled, expired.
     ungated: [u64; 3],
-    /// Leases it granted (the Python gate counts the releases: the sum is what is held).
-    leases: u64,
+    /// Leases it granted less those it released (the Python gate counts its own grants and
+    /// releases: the sum is what is held). Signed: it may release a lease the Python gate
+    /// granted.
+    leases: i64,
     by_reason: [u64; Reason::ALL.len()],
 }
 
@@ -72,10 +78,17 @@ pub(crate) struct SchedulerLook {
     /// The gate's `_hold(request, request_id, session_id, ticket, future)`: a first look's
     /// admit waits.
     hold_held: Py<PyAny>,
+    /// The gate's `on_free(request)`: every free [`Self::free`] does not answer.
+    on_free: Py<PyAny>,
+    /// The engine gate driver's `counters` (a `Counter`), where releases are counted.
+    driver_counters: Py<PyDict>,
     /// `infer`: requests without an id are gated too (their session is inferred).
     infer: bool,
     /// The engine gate's book, for first looks (`None`: they go to the Python gate).
     book: Option<Py<PyEngineGateBook>>,
+    /// What a first look the book holds is answered through (the gate's `_Held`, made with no
+    /// arguments; `None`: the book's `Future`): the gate's `_hold` keeps it.
+    sink: Option<Py<PyAny>>,
     /// The book's client the scheduler's admits belong to.
     client_id: String,
     /// Tickets `sched:<n>`, for this look's admits and the Python gate's.
@@ -101,6 +114,35 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl SchedulerLook {
+    /// [`Self::free`] of a request the gate scheduled: `None` when `on_free` must answer (no
+    /// native book, inference, not scheduled), else whether a lease was released (`None`
+    /// inside: the request was scheduled ungated, nothing to release).
+    fn free_scheduled(&self, request: &Bound<'_, PyAny>) -> PyResult<Option<Option<bool>>> {
+        let Some(book) = &self.book else {
+            return Ok(None);
+        };
+        if self.infer {
+            return Ok(None); // the answer's blocks become its session's own: `on_free`'s job
+        }
+        let py = request.py();
+        let rid = request.getattr(intern!(py, "request_id"))?;
+        let decided = self.decided.bind(py);
+        let Some(lease) = decided.get_item(&rid)? else {
+            return Ok(None);
+        };
+        if lease.is_none() {
+            decided.del_item(&rid)?;
+            return Ok(Some(None));
+        }
+        let lease = lease.extract::<u64>()?;
+        let Ok(mut book) = book.bind(py).try_borrow_mut() else {
+            return Ok(None); // the book is busy (a free from inside one of its calls)
+        };
+        decided.del_item(&rid)?;
+        lock(&self.counts).leases -= 1;
+        Ok(Some(Some(book.release_native(py, lease)?)))
+    }
+
     fn is_unanswered(&self, request: &Bound<'_, PyAny>) -> bool {
         let map = lock(&self.unanswered);
         !map.is_empty() && map.contains_key(&key(request))
@@ -179,7 +221,8 @@ impl SchedulerLook {
             ticket: &ticket,
             client_id: &self.client_id,
         };
-        let answer = match book.admit_native(py, admit) {
+        let sink = self.sink.as_ref().map(|s| s.bind(py));
+        let answer = match book.admit_native(py, admit, sink) {
             Ok(a) => a,
             Err(_) => return Ok(None), // the Python gate asks again, and counts what it gets
         };
@@ -226,15 +269,17 @@ impl SchedulerLook {
     /// The look of the scheduler whose vLLM check is `vllm_check` (bound), over `gate` (a
     /// `gate_scheduler.SchedulerGate`: its maps and its `ready` and `_hold`), admitting first
     /// looks through `book` (the engine gate's `EngineGateBook`; `None`: the gate does) for
-    /// `client_id`.
+    /// `client_id`; a first look the book holds is answered through a `sink()` (the gate's
+    /// `_Held`; `None`: a `Future`).
     #[new]
-    #[pyo3(signature = (vllm_check, plain, gate, client_id, book=None))]
+    #[pyo3(signature = (vllm_check, plain, gate, client_id, book=None, sink=None))]
     fn new(
         vllm_check: Py<PyAny>,
         plain: Vec<Py<PyAny>>,
         gate: &Bound<'_, PyAny>,
         client_id: String,
         book: Option<Py<PyEngineGateBook>>,
+        sink: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let py = gate.py();
         let infer = gate.getattr("mode")?.eq("infer")?;
@@ -250,8 +295,15 @@ impl SchedulerLook {
             queued: gate.getattr("_queued")?.cast_into::<PySet>()?.unbind(),
             ready: gate.getattr("ready")?.unbind(),
             hold_held: gate.getattr("_hold")?.unbind(),
+            on_free: gate.getattr("on_free")?.unbind(),
+            driver_counters: gate
+                .getattr("_driver")?
+                .getattr("counters")?
+                .cast_into::<PyDict>()?
+                .unbind(),
             infer,
             book: book.map(|b| b.clone_ref(py)),
+            sink,
             client_id,
             tickets: AtomicU64::new(0),
             counts: Mutex::new(Counts::default()),
@@ -286,6 +338,34 @@ impl SchedulerLook {
         }
     }
 
+    /// vLLM freed `request` (`Scheduler._free_request`, through `gate_binding`). A scheduled
+    /// request's lease is released here, through the book, and counted where the driver
+    /// counts releases; every other free (a held or queued request, inference, no native
+    /// book) goes to the gate's `on_free`. Errors raise, as `on_free`'s do (the caller logs
+    /// and counts them: vLLM's free never fails on the gate).
+    fn free(&self, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = request.py();
+        let outcome = no_panic("SchedulerLook.free", || self.free_scheduled(request))?;
+        let Some(lease_outcome) = outcome else {
+            self.on_free.bind(py).call1((request,))?;
+            return Ok(());
+        };
+        if let Some(released) = lease_outcome {
+            let key = if released {
+                intern!(py, "leases_released_by_request")
+            } else {
+                intern!(py, "bound_releases_unknown")
+            };
+            let counters = self.driver_counters.bind(py);
+            let n = match counters.get_item(key)? {
+                Some(n) => n.extract::<u64>()?,
+                None => 0,
+            };
+            counters.set_item(key, n + 1)?;
+        }
+        Ok(())
+    }
+
     /// The next ticket, `sched:<n>` (the Python gate's admits take theirs here too).
     fn ticket(&self) -> String {
         format!("sched:{}", self.tickets.fetch_add(1, Ordering::Relaxed))
@@ -310,8 +390,8 @@ impl SchedulerLook {
     }
 
     /// What this look decided on its own: `gated`, `admitted`, `max_wait`,
-    /// `ungated_preempted` / `_cancelled` / `_expired`, `leases` (granted here; the gate counts
-    /// every release) and `admitted_by_reason`.
+    /// `ungated_preempted` / `_cancelled` / `_expired`, `leases` (granted here less released
+    /// here) and `admitted_by_reason`.
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c = lock(&self.counts);
         let d = PyDict::new(py);
@@ -332,9 +412,9 @@ impl SchedulerLook {
         Ok(d)
     }
 
-    /// Leases granted here (the gate counts every release; read on every driver tick).
+    /// Leases granted here less those released here (read on every driver tick).
     #[getter]
-    fn leases(&self) -> u64 {
+    fn leases(&self) -> i64 {
         lock(&self.counts).leases
     }
 

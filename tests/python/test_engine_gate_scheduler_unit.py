@@ -5,6 +5,7 @@ session, refused ids, keep-alive). The real engine's tests are ``test_engine_gat
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -75,6 +76,7 @@ class Driver:
     def __init__(self) -> None:
         self._book = Book()
         self.released: list[int] = []
+        self.counters: Counter[str] = Counter()
 
     def release_bound(self, lease: int) -> bool:
         self.released.append(lease)
@@ -263,7 +265,9 @@ class Status:
     WAITING_FOR_REMOTE_KVS = object()
 
 
-def native_look(gate: SchedulerGate, vllm_says: list[bool], calls: list) -> object:
+def native_look(
+    gate: SchedulerGate, vllm_says: list[bool], calls: list, sink: type = gate_scheduler._Held
+) -> object:
     native = pytest.importorskip("session_gate._native")
 
     def vllm_check(request) -> bool:
@@ -279,8 +283,14 @@ def native_look(gate: SchedulerGate, vllm_says: list[bool], calls: list) -> obje
     gate.ready = ready  # what the native look calls for the looks it hands on
     book = gate._book if isinstance(gate._book, native.EngineGateBook) else None
     gate.look = native.SchedulerLook(
-        vllm_check, [Status.WAITING, Status.PREEMPTED], gate, SCHEDULER_CLIENT, book
+        vllm_check,
+        [Status.WAITING, Status.PREEMPTED],
+        gate,
+        SCHEDULER_CLIENT,
+        book,
+        sink=sink,
     )
+    gate.free = gate.look.free  # as gate_scheduler._install_look does
     return gate.look.look
 
 
@@ -339,7 +349,7 @@ def test_an_aborted_hold_leaves_nothing_in_the_native_look():
     r = request("a")
     r.status = Status.WAITING
     assert look(r) is False and gate.look.holding == 1
-    gate.on_free(r)
+    gate.free(r)  # no native book: the Python gate's on_free
     assert gate.look.holding == 0 and driver._book.cancelled == ["sched:0"]
     assert gate.stats()["holding"] == 0
 
@@ -363,6 +373,7 @@ class NativeDriver(Driver):
         config = native.GateConfig(high_watermark=0.9)
         self._book = native_book(native, config, 30.0, state, walk, lambda at: None)
         self.released = []
+        self.counters = Counter()
 
     def release_bound(self, lease: int) -> bool:
         self.released.append(lease)
@@ -389,12 +400,15 @@ def test_the_native_look_admits_first_looks_through_the_real_book():
     assert (s["gated"], s["admitted"], s["leases"], s["held"]) == (1, 1, 1, 0)
     assert sum(s["admitted_by_reason"].values()) == 1
     assert look(r) is True and calls == []  # re-queued after a preemption: decided
-    lease = gate._decided["a"]
-    gate.on_free(r)
-    assert driver.released == [lease]
+    gate.free(r)  # released by the native free through the book: no Python frame
+    assert driver.released == [] and "a" not in gate._decided
+    assert driver.counters == {"leases_released_by_request": 1}
     s = gate.stats()
     assert (s["leases"], s["admitted"]) == (0, 1)
     assert driver._book.stats()["engine_gate"]["leases_held"] == 0
+    gate.free(r)  # freed twice (cannot happen in vLLM): nothing left to release
+    assert driver.counters == {"leases_released_by_request": 1}
+    assert gate.stats()["leases"] == 0
     # Looks the native look hands on: no id, a bad id, no prompt.
     for odd in (
         prompt_request("n", None, 10),
@@ -418,7 +432,7 @@ def test_a_first_look_the_book_holds_is_kept_by_the_python_gate_and_then_admitte
     assert look(other) is False  # no room under the line: held
     assert gate.look.holding == 1 and "b" in gate._held and calls == []
     assert look(other) is False and calls == []  # later looks: the native map
-    gate.on_free(big)  # the first turn ends; its session keeps its room while idle ...
+    gate.free(big)  # the first turn ends; its session keeps its room while idle ...
     assert gate.look.holding == 1
     driver._book.finish("s1", None, time.monotonic())  # ... until it ends: b is admitted
     assert gate.look.holding == 0
@@ -426,6 +440,55 @@ def test_a_first_look_the_book_holds_is_kept_by_the_python_gate_and_then_admitte
     assert calls == [("ready", "b")]
     s = gate.stats()
     assert (s["gated"], s["held"], s["admitted"], s["leases"], s["holding"]) == (2, 1, 2, 1, 0)
-    gate.on_free(other)
-    assert gate.stats()["leases"] == 0
+    gate.free(other)  # a lease the Python gate granted, released by the native free
+    assert gate.stats()["leases"] == 0 and driver.released == []
+    assert driver.counters == {"leases_released_by_request": 2}
     driver._book.check_invariants()
+
+
+def test_the_native_free_hands_held_and_ungated_requests_to_the_python_gate():
+    driver = NativeDriver(blocks=64, free=64)
+    gate = SchedulerGate(driver)
+    look = native_look(gate, [True], [])
+    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)
+    held = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
+    behind = prompt_request("c", "s2", 16 * 41, max_tokens=16)
+    plain = prompt_request("n", "x" * 300, 10)  # an id the book refuses: ungated
+    assert look(big) is True and look(held) is False and look(behind) is False
+    assert look(plain) is True and gate._decided["n"] is None
+    gate.free(plain)  # scheduled ungated: nothing to release, and nothing counted
+    assert "n" not in gate._decided and driver.counters == {}
+    gate.free(behind)  # queued behind its session's hold: the Python gate's
+    gate.free(held)  # held: its admit is withdrawn, no reservation left
+    s = gate.stats()
+    assert (s["aborted_while_held"], s["holding"], s["native_holding"]) == (2, 0, 0)
+    gate.free(big)
+    assert gate.stats()["leases"] == 0
+    assert driver._book.stats()["engine_gate"]["leases_held"] == 0
+    driver._book.check_invariants()
+
+
+def test_a_hold_of_the_native_look_is_answered_through_the_gates_held_not_a_future():
+    made: list = []
+
+    class Sink(gate_scheduler._Held):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    driver = NativeDriver(blocks=64, free=64)
+    gate = SchedulerGate(driver)
+    look = native_look(gate, [True], [], sink=Sink)
+    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)
+    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
+    assert look(big) is True and made == []  # admitted now: no sink made
+    assert look(other) is False
+    assert len(made) == 1 and gate._held["b"] is made[0] and made[0].ticket == "sched:1"
+    assert not made[0].done() and gate.look.holding == 1
+    gate.free(big)
+    driver._book.finish("s1", None, time.monotonic())  # the book answers through the sink
+    assert made[0].done() and made[0].answer["status"] == "admitted"
+    assert gate.look.holding == 0
+    assert look(other) is True and gate.stats()["leases"] == 1

@@ -61,3 +61,34 @@ def test_nothing_runs_when_nothing_is_due(pending):
     d.due = False
     settle(d)
     assert d.ticks == 0
+
+
+def test_after_a_step_a_passed_deadline_ticks_and_the_timer_thread_never_fires():
+    import time
+
+    native = pytest.importorskip("session_gate._native")
+    from session_gate.engine.gate_driver import DRIVER_ATTR
+    from session_gate.engine.gate_methods import _wrap_post_step
+
+    fired: list[int] = []
+    timer = native.WakeTimer(lambda: fired.append(1))
+    try:
+        d = driver(pending=0)
+        d.due = False
+        d.take_due = timer.take_due
+        core = SimpleNamespace(**{DRIVER_ATTR: d})
+        d.tick_when_settled = lambda: settle(d)
+        steps: list[bool] = []
+        post_step = _wrap_post_step(lambda self, executed: steps.append(executed))
+        timer.arm(time.monotonic() + 3600.0)
+        post_step(core, True)
+        assert steps == [True] and d.ticks == 0  # not due yet
+        timer.arm(time.monotonic() - 0.001)  # passed (earlier than the armed one)
+        post_step(core, True)
+        assert d.ticks == 1 and not d.due and timer.deadline is None  # taken
+        time.sleep(0.1)  # past the thread's re-check: nothing left for it to fire
+        assert fired == []
+        post_step(core, True)
+        assert d.ticks == 1
+    finally:
+        timer.stop()

@@ -86,7 +86,7 @@ def _release_bound(scheduler: Any, extra_args: dict[str, Any]) -> None:
 
 def _free_scheduled(gate: Any, request: Any) -> None:
     try:
-        gate.on_free(request)
+        gate.free(request)
     except Exception:  # noqa: BLE001 - never take the scheduler down
         gate.counters["errors"] += 1
         logger.exception("session_gate: freeing the scheduler's hold of %r failed", request)

@@ -9,13 +9,17 @@ accepts from a utility method. Every decision is the core's.
 
 Threads. Everything that touches the core or the block pool runs on the engine core's own thread
 (the busy loop): utility calls, the post-step hook and the idle callback. The only other thread is
-the timer, which touches nothing but a float and vLLM's input queue: when a deadline comes (a
+the timer (``_native.WakeTimer``, a native thread: arming it from the engine thread wakes no
+Python thread and costs the loop no GIL hand-off), which touches nothing but its deadline and
+vLLM's input queue: when a deadline comes (a
 waiter's ``Wait.until``, a client's lease TTL) it raises ``due`` and wakes the busy loop, which
 then runs :meth:`EngineGateDriver.tick` on its own thread:
 
 - engine busy: the loop steps continuously and ``post_step`` (wrapped once, see ``ledger``) ticks
-  when ``due`` is set — one attribute read per step otherwise — once the requests queued during
-  the step (renewals among them) have been handled (``tick_when_settled``);
+  when ``due`` is set or the timer's deadline passed (``take_due``, which takes it: the timer
+  thread then never fires, nor takes the GIL) — an attribute read and one native call per step
+  otherwise — once the requests queued during the step (renewals among them) have been handled
+  (``tick_when_settled``);
 - engine idle: the loop blocks in ``input_queue.get()``. The timer appends the tick to
   ``EngineCore._idle_state_callbacks`` (vLLM calls those on every idle pass of
   ``_process_input_queue``) and puts a ``WAKEUP`` request in the input queue, which unblocks
@@ -32,9 +36,8 @@ that races with the admission releases the lease the client will never see.
 
 from __future__ import annotations
 
+import atexit
 import logging
-import math
-import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -51,36 +54,6 @@ MAX_TICK_DEFER_SEC = 0.5
 
 #: How every bad-input failure of the engine gate's methods starts (the HTTP routes answer 400).
 BAD_GATE_INPUT = "invalid engine gate input"
-
-
-class _Timer(threading.Thread):
-    """Sleeps until the earliest deadline, then asks the engine thread to tick."""
-
-    def __init__(self, fire: Any) -> None:
-        super().__init__(name="session_gate-timer", daemon=True)
-        self._fire = fire
-        self._cond = threading.Condition()
-        self._at = math.inf
-
-    def arm(self, at: float) -> None:
-        with self._cond:
-            if at < self._at:
-                self._at = at
-                self._cond.notify()
-
-    def run(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    delay = self._at - _now()
-                    if delay <= 0:
-                        break
-                    self._cond.wait(None if math.isinf(delay) else delay)
-                self._at = math.inf
-            try:
-                self._fire()
-            except Exception:  # noqa: BLE001 - the timer must outlive a failed wake-up
-                logger.exception("session_gate: engine gate timer could not wake the engine")
 
 
 def native_book(
@@ -147,11 +120,16 @@ class EngineGateDriver:
         self.due = False
         #: When a due tick was first put off for queued requests (``tick_when_settled``).
         self._due_since: float | None = None
-        self._timer = _Timer(self._wake_engine)
+        #: The timer (``_native.WakeTimer``: a native thread, so arming it from the engine
+        #: thread wakes no Python thread); stopped at exit, before the interpreter goes.
+        self._timer = native.WakeTimer(self._wake_engine)
+        atexit.register(self._timer.stop)
+        #: Whether the timer's deadline passed (then taken: the timer will not fire for it);
+        #: asked after every step, so a busy engine ticks without the timer thread.
+        self.take_due = self._timer.take_due
         self._book = native_book(
             native, config, lease_ttl_sec, probes, probes.probe, self._timer.arm
         )
-        self._timer.start()
         #: What vLLM calls for ``session_gate_admit`` / ``…_release`` (``gate_methods`` binds
         #: them to the engine core): the native methods themselves, which take the utility
         #: call's arguments, read the clock, check and time themselves.
@@ -290,14 +268,17 @@ class EngineGateDriver:
 
     def _wake_engine(self) -> None:
         # Timer thread: only flags, a list append and a queue put (all thread-safe).
-        self.due = True
-        engine = self._engine
-        callbacks = getattr(engine, "_idle_state_callbacks", None)
-        if callbacks is not None and _tick_callback not in callbacks:
-            callbacks.append(_tick_callback)
-        queue = getattr(engine, "input_queue", None)
-        if queue is not None:
-            queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        try:
+            self.due = True
+            engine = self._engine
+            callbacks = getattr(engine, "_idle_state_callbacks", None)
+            if callbacks is not None and _tick_callback not in callbacks:
+                callbacks.append(_tick_callback)
+            queue = getattr(engine, "input_queue", None)
+            if queue is not None:
+                queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        except Exception:  # noqa: BLE001 - the timer must outlive a failed wake-up
+            logger.exception("session_gate: engine gate timer could not wake the engine")
 
 
 def _tick_callback(engine: Any) -> None:

@@ -193,9 +193,11 @@ def _native_method(name: str, core: EngineCore) -> Any:
 def _wrap_post_step(original: Any) -> Any:
     def post_step(self: EngineCore, model_executed: bool) -> None:
         original(self, model_executed)
-        # A busy engine never runs idle callbacks: the gate's timers tick here, between steps.
+        # A busy engine never runs idle callbacks: the gate's timers tick here, between steps,
+        # when the timer fired or its deadline passed (then it does not fire: no GIL hand-off).
         driver = self.__dict__.get(DRIVER_ATTR)
-        if driver is not None and driver.due:
+        if driver is not None and (driver.due or driver.take_due()):
+            driver.due = True
             driver.tick_when_settled()
 
     post_step.__wrapped__ = original  # type: ignore[attr-defined]

@@ -35,7 +35,9 @@ session is held, later requests of the same session wait behind it without an ad
 session). A request vLLM preempts and re-queues keeps its lease and is not gated again.
 
 Release. The lease is released when vLLM frees the request (``Scheduler._free_request``, wrapped
-by ``gate_binding``: finished, stopped, or aborted). A held request that is aborted (its HTTP
+by ``gate_binding``: finished, stopped, or aborted): by the native look's ``free`` for a
+scheduled request (no Python frame of the gate's), by :meth:`SchedulerGate.on_free` for the
+rest. A held request that is aborted (its HTTP
 client went away, ``AsyncLLM.abort``) cancels its attempt: it leaves no reservation; a lease that
 raced the abort is released by the cancel. The leases belong to one client of the book,
 ``SCHEDULER_CLIENT``, which this module renews on the driver's ticks while it holds anything, so
@@ -150,44 +152,60 @@ def gate_config(native: Any, config: Any) -> Any:
 
 
 class _Held:
-    """A request the gate has not admitted yet: its admit's ``Future``, ticket and start, and
-    the admit's answer once the book gives it (``answer``, set by the future's callback on the
-    engine thread, where the book resolves it: the scheduler's look is then one attribute read,
-    not ``Future.done()``, which takes a lock, on every step of the hold)."""
+    """A request the gate has not admitted yet: its admit's ticket, session and start, and the
+    admit's answer once the book gives it (``answer``: the scheduler's look at a held request
+    is then one attribute read, not ``Future.done()``, which takes a lock, on every step).
 
-    __slots__ = ("future", "session_id", "ticket", "since", "answer", "request", "look")
+    It is also what the book answers the admit through. An admit of the native look's gets one
+    from the book in place of a ``Future`` (``done()`` and ``set_result(answer)`` are all the
+    book calls, on the engine thread: no lock, no callback list); an admit of the Python
+    gate's waits on the ``Future`` ``admit_trusted`` returned (:meth:`wait_for`)."""
 
-    def __init__(
-        self,
-        future: Future,
-        session_id: str,
-        ticket: str,
-        since: float,
-        request: Any = None,
-        look: Any = None,
-    ) -> None:
-        self.future = future
-        self.session_id = session_id
-        self.ticket = ticket
-        self.since = since
+    __slots__ = ("session_id", "ticket", "since", "answer", "request", "look")
+
+    def __init__(self) -> None:
+        self.session_id = ""
+        self.ticket = ""
+        self.since = 0.0
         self.answer: dict[str, Any] | None = None
         #: The request and the native look that answers its looks while it waits
         #: (``_native.SchedulerLook``), told when the answer comes.
+        self.request: Any = None
+        self.look: Any = None
+
+    def start(
+        self, session_id: str, ticket: str, since: float, request: Any = None, look: Any = None
+    ) -> None:
+        """The hold begins: ``look`` answers the request's looks until the answer comes."""
+        self.session_id = session_id
+        self.ticket = ticket
+        self.since = since
         self.request = request
         self.look = look
-        if look is not None:
+        if look is not None and self.answer is None:
             look.hold(request)
-        future.add_done_callback(self._answered)
 
-    def _answered(self, future: Future) -> None:
+    def wait_for(self, future: Future) -> None:
+        """The answer comes through ``future`` (after :meth:`start`: a done one answers now)."""
+        future.add_done_callback(self._from_future)
+
+    # -- what the book calls --------------------------------------------------------------
+
+    def done(self) -> bool:
+        return self.answer is not None
+
+    def set_result(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+        self.let_go()
+
+    def _from_future(self, future: Future) -> None:
         if future.cancelled():
-            self.answer = {"status": "cancelled"}
-        else:
-            exc = future.exception()
-            self.answer = {"status": "error", "error": repr(exc)} if exc else future.result()
-        self.done()
+            self.set_result({"status": "cancelled"})
+            return
+        exc = future.exception()
+        self.set_result({"status": "error", "error": repr(exc)} if exc else future.result())
 
-    def done(self) -> None:
+    def let_go(self) -> None:
         """The hold is over (answered, or its request freed): the native look lets go."""
         if self.look is not None:
             self.look.unhold(self.request)
@@ -211,8 +229,8 @@ class SchedulerGate:
         #: ``session_gate_stats("inferred")`` answers (to audit the rule on a known workload).
         self.recent_inferred: deque[tuple[str, str, str]] = deque(maxlen=RECENT_INFERRED)
         self._decided: dict[str, int | None] = {}
-        #: Leases granted here less every release of one (read on every tick: no scan); the
-        #: native look counts its own grants (:meth:`_lease_count` adds them up).
+        #: Leases granted here less those released here (read on every tick: no scan); the
+        #: native look counts its own grants and releases (:meth:`_lease_count` adds them up).
         self._leases = 0
         self._held: dict[str, _Held] = {}
         self._held_sessions: dict[str, str] = {}
@@ -225,6 +243,10 @@ class SchedulerGate:
         self.admitted_by_reason: Counter[str] = Counter()
         #: The scheduler's native look (``_native.SchedulerLook``, set by :func:`attach`).
         self.look: Any = None
+        #: What vLLM's free calls (``gate_binding``): :meth:`on_free`, or the native look's
+        #: ``free`` once it is installed (it releases a scheduled request's lease itself and
+        #: hands every other free to :meth:`on_free`).
+        self.free: Any = self.on_free
 
     # -- the scheduler's question (engine thread) -------------------------------------------
 
@@ -284,10 +306,17 @@ class SchedulerGate:
             return self._hold(request, rid, session_id, ticket, answer)
         return self._answered(rid, None, answer)
 
-    def _hold(self, request: Any, rid: str, session_id: str, ticket: str, future: Future) -> bool:
-        """Holds ``request``: its admit (``ticket``) waits for the book's answer (``future``).
-        Also the native look's, for the first looks it admits."""
-        self._held[rid] = _Held(future, session_id, ticket, _now(), request, self.look)
+    def _hold(
+        self, request: Any, rid: str, session_id: str, ticket: str, future: Future | _Held
+    ) -> bool:
+        """Holds ``request``: its admit (``ticket``) waits for the book's answer, through
+        ``future`` (the Python gate's admits) or the ``_Held`` the book made for it (the native
+        look's first looks, which call this too)."""
+        held = future if isinstance(future, _Held) else _Held()
+        held.start(session_id, ticket, _now(), request, self.look)
+        if held is not future:
+            held.wait_for(future)
+        self._held[rid] = held
         self._held_sessions[session_id] = rid
         self.counters["held"] += 1
         return False
@@ -317,7 +346,7 @@ class SchedulerGate:
 
     def _answered(self, rid: str, held: _Held | None, answer: dict[str, Any]) -> bool:
         if held is not None:
-            held.done()
+            held.let_go()
             del self._held[rid]
             if self._held_sessions.get(held.session_id) == rid:
                 del self._held_sessions[held.session_id]
@@ -358,7 +387,7 @@ class SchedulerGate:
         held = self._held.pop(rid, None)
         if held is None:
             return
-        held.done()
+        held.let_go()
         if self._held_sessions.get(held.session_id) == rid:
             del self._held_sessions[held.session_id]
         self.counters["aborted_while_held"] += 1
@@ -501,9 +530,10 @@ def _install_look(scheduler: Any, gate: SchedulerGate) -> None:
         return
     book = gate._book if isinstance(gate._book, _native.EngineGateBook) else None
     look = _native.SchedulerLook(
-        _vllm_check.__get__(scheduler), plain, gate, SCHEDULER_CLIENT, book
+        _vllm_check.__get__(scheduler), plain, gate, SCHEDULER_CLIENT, book, sink=_Held
     )
     gate.look = look
+    gate.free = look.free
     scheduler.__dict__[LOOK_ATTR] = look.look
 
 

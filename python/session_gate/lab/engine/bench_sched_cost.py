@@ -66,7 +66,10 @@ re-look) under ``ready``; a free under ``release``. The book times its own parts
 ``admit_us`` (total minus walk), ``ready_us`` (all its polls), ``release_us``: every timed ns
 divided by the gated requests, their sum against 20 us is ``ratio_to_target``. On a shared
 machine a call during which the process lost its core counts that time too (the p99s show it):
-``typical_us_per_gated_request`` is the same sum from per-call medians times calls per request.
+``typical_us_per_gated_request`` is the same sum from per-call medians times calls per request,
+and ``cpu_us_per_gated_request`` the same sum in the engine thread's CPU time
+(``time.thread_time_ns`` around each call, net of what that timer reads timing nothing): what
+the calls cost the engine thread, without the time it lost its core to another process.
 A held request is looked at on every step while it is held (the engine keeps stepping), so
 ``ready_us`` grows with the hold's length in steps: ``ready_looks_per_gated_request`` says how
 many. For the admits answered at once the native call's parts are printed too (p50: ``args``,
@@ -103,6 +106,8 @@ TARGET_COST = 0.02
 TARGET_US = 20.0
 
 _clock = time.perf_counter_ns
+#: The engine thread's CPU time: a call's own cost, without the time its thread lost its core.
+_cpu = time.thread_time_ns
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -493,6 +498,8 @@ class GateTimers:
         #: queued (behind a held request of its session), decided (admitted, re-queued).
         self.ready: dict[str, list[int]] = {"held": [], "queued": [], "decided": []}
         self.ticks: list[int] = []
+        #: The same calls' CPU time on the engine thread (ns), by kind: admit, ready, release.
+        self.cpu: dict[str, list[int]] = {"admit": [], "ready": [], "release": []}
         self._undo: list[Any] = []
 
     def install(self) -> None:
@@ -505,6 +512,7 @@ class GateTimers:
         free = gate_binding._free_scheduled
         tick = EngineGateDriver.tick
         admit, ready, release, ticks = self.admit, self.ready, self.release, self.ticks
+        cpu = self.cpu
 
         def gated_count() -> int:  # the Python gate's and the native look's admits
             return counters["gated"] + (gate.look.gated if gate.look is not None else 0)
@@ -524,15 +532,19 @@ class GateTimers:
                     else "first"
                 )
                 gated, held = gated_count(), counters["held"]
+                c = _cpu()
                 t = _clock()
                 try:
                     return look(request)
                 finally:
                     ns = _clock() - t
+                    c = _cpu() - c
                     if gated_count() != gated:
                         admit.append((ns, dict(book.last_parts()), counters["held"] != held))
+                        cpu["admit"].append(c)
                     else:
                         ready["queued" if kind == "first" else kind].append(ns)
+                        cpu["ready"].append(c)
 
             return call
 
@@ -541,12 +553,15 @@ class GateTimers:
 
         def timed_free(g: Any, request: Any) -> None:
             before = released()
+            c = _cpu()
             t = _clock()
             try:
                 return free(g, request)
             finally:
                 ns = _clock() - t
+                c = _cpu() - c
                 release.append((ns, dict(book.last_parts()) if released() != before else {}))
+                cpu["release"].append(c)
 
         def timed_tick(self: Any) -> None:
             t = _clock()
@@ -583,6 +598,18 @@ def _timer_ns(samples: int = 5000) -> float:
         sink.append(t1 - t0)
         t2 = _clock()
         extra.append(t2 - t0)
+    return float(statistics.median(extra))
+
+
+def _cpu_timer_ns(samples: int = 5000) -> float:
+    """Median CPU ns a timed call's CPU timer (two thread-time reads around the wall timer's
+    two clock reads) reads when it times nothing."""
+    extra = []
+    for _ in range(samples):
+        c0 = _cpu()
+        t0 = _clock()
+        _ = _clock() - t0
+        extra.append(_cpu() - c0)
     return float(statistics.median(extra))
 
 
@@ -691,6 +718,17 @@ def measure_gated(
     # The timers' own clock reads, per gated request (every admit, look and release is timed).
     timer_ns = _timer_ns()
     timer_us = timer_ns * (len(timers.admit) + len(looks) + len(timers.release)) / gated / 1e3
+    # The same sum in the engine thread's CPU time: what the calls cost, without the time the
+    # thread lost its core to another process (walks' wall ns taken out, as above).
+    cpu_timer_ns = _cpu_timer_ns()
+    walks_ns = [p.get("prefix", 0) for _, p, _ in timers.admit] + [
+        p.get("prefix", 0) for _, p in timers.release
+    ]
+    cpu_calls = timers.cpu["admit"] + timers.cpu["release"]
+    cpu_ns = sum(max(0, c - w) for c, w in zip(cpu_calls, walks_ns, strict=True))
+    cpu_ns += sum(timers.cpu["ready"])
+    n_timed = len(cpu_calls) + len(timers.cpu["ready"])
+    cpu_us = (cpu_ns - cpu_timer_ns * n_timed) / gated / 1e3
     native = _native_parts_p50(
         [(ns, parts) for ns, parts, deferred in timers.admit if not deferred],
         ("args", "usage", "prefix", "answer", "book", "total"),
@@ -730,6 +768,9 @@ def measure_gated(
         "total_net_of_timers_us_per_gated_request": total - timer_us,
         "typical_net_of_timers_us_per_gated_request": typical - timer_us,
         "typical_by_part_us": p50,
+        "cpu_us_per_gated_request": cpu_us,
+        "cpu_ratio_to_target": cpu_us / TARGET_US,
+        "cpu_timer_ns": cpu_timer_ns,
         "target_us": TARGET_US,
         "ratio_to_target": total / TARGET_US,
         "typical_ratio_to_target": typical / TARGET_US,
@@ -821,7 +862,10 @@ def main(argv: list[str] | None = None) -> None:
         f"net of the timers' own {b['timer_us_per_gated_request']:.2f} us: "
         f"{b['total_net_of_timers_us_per_gated_request']:.2f} / "
         f"{b['typical_net_of_timers_us_per_gated_request']:.2f} us; "
-        f"ticks beside {b['tick_us_per_gated_request']:.2f} us",
+        f"ticks beside {b['tick_us_per_gated_request']:.2f} us; "
+        f"in the engine thread's CPU time (the core it lost to other processes left out), "
+        f"net of the timers: {b['cpu_us_per_gated_request']:.2f} us "
+        f"({b['cpu_ratio_to_target']:.2f}x)",
         flush=True,
     )
     pc = b["per_call"]
