@@ -116,6 +116,8 @@ fn run(shared: Arc<Shared>, fire: Py<PyAny>) {
 pub(crate) struct WakeTimer {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The process that started the thread (a forked child has no such thread to join).
+    pid: u32,
 }
 
 #[pymethods]
@@ -142,6 +144,7 @@ impl WakeTimer {
             Ok(Self {
                 shared,
                 thread: Mutex::new(Some(thread)),
+                pid: std::process::id(),
             })
         })
     }
@@ -182,28 +185,38 @@ impl WakeTimer {
         at.is_finite().then_some(at)
     }
 
-    /// Whether the thread is running (False after [`Self::stop`]).
+    /// Whether the thread is running (False after [`Self::stop`], and in a forked child).
     #[getter]
     fn alive(&self) -> bool {
-        self.thread
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .as_ref()
-            .is_some_and(|t| !t.is_finished())
+        self.pid == std::process::id()
+            && self
+                .thread
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+                .is_some_and(|t| !t.is_finished())
     }
 
     /// Ends the thread and waits for it (idempotent). A fire under way finishes first.
-    fn stop(&self, py: Python<'_>) {
-        self.shared.stop();
-        let thread = self
-            .thread
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(thread) = thread {
-            // Detached: a fire under way needs the GIL to finish.
-            let _ = py.detach(|| thread.join());
-        }
+    fn stop(&self, py: Python<'_>) -> PyResult<()> {
+        no_panic("WakeTimer.stop", || {
+            self.shared.stop();
+            let thread = self
+                .thread
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            match thread {
+                // Detached: a fire under way needs the GIL to finish.
+                Some(thread) if self.pid == std::process::id() => {
+                    let _ = py.detach(|| thread.join());
+                }
+                // A forked child: the thread lives (or lived) in the parent only.
+                Some(thread) => std::mem::forget(thread),
+                None => {}
+            }
+            Ok(())
+        })
     }
 }
 

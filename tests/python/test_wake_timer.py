@@ -75,3 +75,25 @@ def test_a_stopped_timer_never_fires():
     timer.stop()
     time.sleep(0.2)
     assert fired == [] and not timer.alive
+
+
+def test_a_forked_child_stops_its_copy_without_joining_the_parents_thread():
+    import os
+
+    timer = native.WakeTimer(lambda: None)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: no timer thread here; stop must neither hang nor raise
+            code = 0
+            try:
+                if timer.alive:
+                    code = 2
+                timer.stop()
+            except BaseException:  # noqa: BLE001 - report through the exit code
+                code = 3
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert timer.alive  # the parent's thread is untouched
+    finally:
+        timer.stop()
