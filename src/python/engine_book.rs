@@ -234,6 +234,10 @@ pub(crate) struct PyEngineGateBook {
     clock: (Instant, f64),
     admit_time: LoopTime,
     release_time: LoopTime,
+    /// Releases of leases bound to vLLM requests that ended ([`Self::release_bound`]): those
+    /// that released one, and those that found it gone (its client released it first).
+    bound_released: u64,
+    bound_unknown: u64,
     time_parts: bool,
     parts: Parts,
     reasons: ReasonStrs,
@@ -284,6 +288,18 @@ fn optional_id<'a>(name: &str, value: Option<&'a Bound<'_, PyAny>>) -> PyResult<
         .filter(|v| !v.is_none())
         .map(|v| id_str(name, v))
         .transpose()
+}
+
+/// A lease id: `None` for a negative or huge int (it names no lease); a `TypeError` for
+/// anything but an int.
+fn lease_id(lease: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+    match plain_int(lease) {
+        Some(l) => Ok(l.extract::<u64>().ok()),
+        None => Err(PyTypeError::new_err(format!(
+            "lease must be an int lease id, got {}",
+            lease.get_type().name()?
+        ))),
+    }
 }
 
 /// An int that is not a bool (Python's `bool` is an `int`).
@@ -620,10 +636,20 @@ impl PyEngineGateBook {
         }
     }
 
-    /// The scheduler's native free's release (`SchedulerLook.free`): `release(lease)` without
-    /// its argument checks (the lease is the book's own answer, kept by the look).
-    pub(crate) fn release_native(&mut self, py: Python<'_>, lease: u64) -> PyResult<bool> {
-        self.release_checked(py, Instant::now(), lease, None)
+    /// [`Self::release_bound`] of a lease id already read (the scheduler's native free,
+    /// `SchedulerLook.free`, keeps the book's own answer): released, or counted as a no-op.
+    pub(crate) fn release_of_request(&mut self, py: Python<'_>, lease: u64) -> PyResult<bool> {
+        let released = self.release_checked(py, Instant::now(), lease, None)?;
+        self.count_bound(released);
+        Ok(released)
+    }
+
+    fn count_bound(&mut self, released: bool) {
+        if released {
+            self.bound_released += 1;
+        } else {
+            self.bound_unknown += 1;
+        }
     }
 
     /// A release whose arguments are checked (`started`: the call's entry), timed as one.
@@ -726,6 +752,8 @@ impl PyEngineGateBook {
                 clock,
                 admit_time: LoopTime::default(),
                 release_time: LoopTime::default(),
+                bound_released: 0,
+                bound_unknown: 0,
                 time_parts: false,
                 parts: Parts::default(),
                 reasons: reason_strs(py)?,
@@ -819,19 +847,38 @@ impl PyEngineGateBook {
             } else {
                 None
             };
-            let Some(lease) = plain_int(&lease).and_then(|l| l.extract::<u64>().ok()) else {
-                if plain_int(&lease).is_some() {
-                    return Ok(false); // a negative or huge int names no lease
-                }
-                return Err(PyTypeError::new_err(format!(
-                    "lease must be an int lease id, got {}",
-                    lease.get_type().name()?
-                )));
+            let Some(lease) = lease_id(&lease)? else {
+                return Ok(false);
             };
             let client_id = optional_id("client_id", client_id.as_deref())?;
             self.release_checked(py, started, lease, client_id)
         })
         .map_err(|e| bad_input(py, e))
+    }
+
+    /// The engine's own release of a lease bound to a vLLM request that just ended
+    /// (`gate_binding`, scheduler mode; engine thread): `release(lease)`, counted under
+    /// `engine_gate` in the stats as `leases_released_by_request`, or as
+    /// `bound_releases_unknown` when it changed nothing (released twice: its client released
+    /// it first). Bad leases raise as `release`'s do.
+    fn release_bound(&mut self, py: Python<'_>, lease: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let started = Instant::now();
+        no_panic("EngineGateBook.release_bound", || {
+            let released = match lease_id(lease)? {
+                Some(lease) => self.release_checked(py, started, lease, None)?,
+                None => false,
+            };
+            self.count_bound(released);
+            Ok(released)
+        })
+        .map_err(|e| bad_input(py, e))
+    }
+
+    /// Bound releases so far, both kinds (cheap: read around each free by the lab's cost
+    /// bench).
+    #[getter]
+    fn bound_releases(&self) -> u64 {
+        self.bound_released + self.bound_unknown
     }
 
     /// Withdraws a pending admit or releases the lease it won in the race.
@@ -926,6 +973,8 @@ impl PyEngineGateBook {
             e.set_item("lease_ttl_sec", self.book.lease_ttl_sec())?;
             e.set_item("leases_held", self.book.num_held())?;
             e.set_item("attempts_pending", self.book.num_pending())?;
+            e.set_item("leases_released_by_request", self.bound_released)?;
+            e.set_item("bound_releases_unknown", self.bound_unknown)?;
             // Engine-loop time of admits answered in their call and of releases.
             for (call, t) in [("admit", self.admit_time), ("release", self.release_time)] {
                 e.set_item(format!("{call}_loop_calls"), t.calls)?;

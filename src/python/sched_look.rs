@@ -80,8 +80,6 @@ pub(crate) struct SchedulerLook {
     hold_held: Py<PyAny>,
     /// The gate's `on_free(request)`: every free [`Self::free`] does not answer.
     on_free: Py<PyAny>,
-    /// The engine gate driver's `counters` (a `Counter`), where releases are counted.
-    driver_counters: Py<PyDict>,
     /// `infer`: requests without an id are gated too (their session is inferred).
     infer: bool,
     /// The engine gate's book, for first looks (`None`: they go to the Python gate).
@@ -114,33 +112,34 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl SchedulerLook {
-    /// [`Self::free`] of a request the gate scheduled: `None` when `on_free` must answer (no
-    /// native book, inference, not scheduled), else whether a lease was released (`None`
-    /// inside: the request was scheduled ungated, nothing to release).
-    fn free_scheduled(&self, request: &Bound<'_, PyAny>) -> PyResult<Option<Option<bool>>> {
+    /// [`Self::free`] of a request the gate scheduled (its lease released and counted by the
+    /// book, or none to release: it ran ungated); false when `on_free` must answer (no native
+    /// book, inference, not scheduled).
+    fn free_scheduled(&self, request: &Bound<'_, PyAny>) -> PyResult<bool> {
         let Some(book) = &self.book else {
-            return Ok(None);
+            return Ok(false);
         };
         if self.infer {
-            return Ok(None); // the answer's blocks become its session's own: `on_free`'s job
+            return Ok(false); // the answer's blocks become its session's own: `on_free`'s job
         }
         let py = request.py();
         let rid = request.getattr(intern!(py, "request_id"))?;
         let decided = self.decided.bind(py);
         let Some(lease) = decided.get_item(&rid)? else {
-            return Ok(None);
+            return Ok(false);
         };
         if lease.is_none() {
             decided.del_item(&rid)?;
-            return Ok(Some(None));
+            return Ok(true);
         }
         let lease = lease.extract::<u64>()?;
         let Ok(mut book) = book.bind(py).try_borrow_mut() else {
-            return Ok(None); // the book is busy (a free from inside one of its calls)
+            return Ok(false); // the book is busy (a free from inside one of its calls)
         };
         decided.del_item(&rid)?;
         lock(&self.counts).leases -= 1;
-        Ok(Some(Some(book.release_native(py, lease)?)))
+        book.release_of_request(py, lease)?;
+        Ok(true)
     }
 
     fn is_unanswered(&self, request: &Bound<'_, PyAny>) -> bool {
@@ -296,11 +295,6 @@ impl SchedulerLook {
             ready: gate.getattr("ready")?.unbind(),
             hold_held: gate.getattr("_hold")?.unbind(),
             on_free: gate.getattr("on_free")?.unbind(),
-            driver_counters: gate
-                .getattr("_driver")?
-                .getattr("counters")?
-                .cast_into::<PyDict>()?
-                .unbind(),
             infer,
             book: book.map(|b| b.clone_ref(py)),
             sink,
@@ -339,29 +333,13 @@ impl SchedulerLook {
     }
 
     /// vLLM freed `request` (`Scheduler._free_request`, through `gate_binding`). A scheduled
-    /// request's lease is released here, through the book, and counted where the driver
-    /// counts releases; every other free (a held or queued request, inference, no native
+    /// request's lease is released here, through the book's release of a request's lease
+    /// (counted there); every other free (a held or queued request, inference, no native
     /// book) goes to the gate's `on_free`. Errors raise, as `on_free`'s do (the caller logs
     /// and counts them: vLLM's free never fails on the gate).
     fn free(&self, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let py = request.py();
-        let outcome = no_panic("SchedulerLook.free", || self.free_scheduled(request))?;
-        let Some(lease_outcome) = outcome else {
-            self.on_free.bind(py).call1((request,))?;
-            return Ok(());
-        };
-        if let Some(released) = lease_outcome {
-            let key = if released {
-                intern!(py, "leases_released_by_request")
-            } else {
-                intern!(py, "bound_releases_unknown")
-            };
-            let counters = self.driver_counters.bind(py);
-            let n = match counters.get_item(key)? {
-                Some(n) => n.extract::<u64>()?,
-                None => 0,
-            };
-            counters.set_item(key, n + 1)?;
+        if !no_panic("SchedulerLook.free", || self.free_scheduled(request))? {
+            self.on_free.bind(request.py()).call1((request,))?;
         }
         Ok(())
     }

@@ -101,15 +101,10 @@ class EngineGateDriver:
         self._probes = probes
         self.config = config
         self.lease_ttl_sec = lease_ttl_sec
-        #: ``leases_released_by_request``: bound leases the engine released when their vLLM
-        #: request ended (``gate_binding``); ``bound_releases_unknown``: such releases that found
-        #: the lease already gone (released by its client first), which change nothing.
-        self.counters = {
-            "ticks": 0,
-            "tick_errors": 0,
-            "leases_released_by_request": 0,
-            "bound_releases_unknown": 0,
-        }
+        #: The book counts the engine's releases of leases bound to requests (under
+        #: ``engine_gate`` in the stats): ``leases_released_by_request``, and
+        #: ``bound_releases_unknown`` for those that found the lease already gone.
+        self.counters = {"ticks": 0, "tick_errors": 0}
         #: Whether the engine releases leases bound to requests (``gate_binding``); clients learn
         #: it from their renewals' answers.
         self.binds_requests = False
@@ -135,18 +130,13 @@ class EngineGateDriver:
         #: call's arguments, read the clock, check and time themselves.
         self.admit = self._book.admit
         self.release = self._book.release
+        #: The engine's own release of a lease bound to a vLLM request that just ended
+        #: (``gate_binding``, scheduler mode; engine thread): the same native release as a
+        #: client's, counted; releasing a lease twice changes nothing the second time (False),
+        #: so a client that released it first makes this a no-op.
+        self.release_bound = self._book.release_bound
 
     # -- utility calls (engine thread) ------------------------------------------------------
-
-    def release_bound(self, lease: int) -> bool:
-        """The engine's own release of a lease bound to a vLLM request that just ended
-        (``gate_binding``; engine thread). The same native release as a client's; releasing a
-        lease twice changes nothing the second time (False), so a client that released it
-        first makes this a no-op, counted."""
-        released = self._book.release(lease)
-        key = "leases_released_by_request" if released else "bound_releases_unknown"
-        self.counters[key] += 1
-        return released
 
     def cancel(self, ticket: Any, client_id: Any = None) -> bool:
         return self._book.cancel(ticket, client_id, _now())

@@ -509,8 +509,8 @@ class GateTimers:
         from session_gate.engine import gate_binding
         from session_gate.engine.gate_driver import EngineGateDriver
 
-        gate, book, driver = self.gate, self.book, self.driver
-        counters, dcounters = gate.counters, driver.counters
+        gate, book = self.gate, self.book
+        counters = gate.counters
         held_map, queued, decided = gate._held, gate._queued, gate._decided
         free = gate_binding._free_scheduled
         tick = EngineGateDriver.tick
@@ -551,11 +551,8 @@ class GateTimers:
 
             return call
 
-        def released() -> int:
-            return dcounters["leases_released_by_request"] + dcounters["bound_releases_unknown"]
-
         def timed_free(g: Any, request: Any) -> None:
-            before = released()
+            before = book.bound_releases
             c = _cpu()
             t = _clock()
             try:
@@ -563,7 +560,9 @@ class GateTimers:
             finally:
                 ns = _clock() - t
                 c = _cpu() - c
-                release.append((ns, dict(book.last_parts()) if released() != before else {}))
+                release.append(
+                    (ns, dict(book.last_parts()) if book.bound_releases != before else {})
+                )
                 cpu["release"].append(c)
 
         def timed_tick(self: Any) -> None:
