@@ -221,6 +221,13 @@ typedef struct sg_usage {
     uint64_t offload_num_blocks;
     /** GPU blocks' worth of KV the host tier holds now. */
     uint64_t offload_used_blocks;
+    /** Whether the two counts below are reported; when false the gate never sees the engine
+     * as idle (idle rooms then yield on the usual schedule, see `sg_stats.idle_engine_yields`). */
+    bool has_num_reqs;
+    /** Requests the engine's scheduler is running now. */
+    uint64_t num_running_reqs;
+    /** Requests waiting to be scheduled (not counting any the engine gate holds back). */
+    uint64_t num_waiting_reqs;
 } sg_usage;
 
 /** The engine's answer to `session_gate_probe` (same fields). */
@@ -450,6 +457,9 @@ typedef struct sg_stats {
     /** Probe calls and failures (errors or timeouts), indexed by `SG_PROBE_*`. */
     uint64_t probe_calls[SG_PROBE_KIND_COUNT];
     uint64_t probe_failures[SG_PROBE_KIND_COUNT];
+    /** Idle reservations that yielded early because the engine had nothing running or waiting
+     * (`sg_usage.num_running_reqs` and `num_waiting_reqs` both 0); also in `revocations`. */
+    uint64_t idle_engine_yields;
 } sg_stats;
 
 /** Fills `*out` with a snapshot of the gate's statistics. */

@@ -3,7 +3,7 @@
 //! its room to the head of the queue, and only when that makes it fit.
 use session_gate::gate::testing::usage_report;
 use session_gate::gate::{
-    Action, Admission, AttemptId, GateConfig, GateCore, LeaseId, PrefixReport, Reason,
+    Action, Admission, AttemptId, GateConfig, GateCore, LeaseId, PrefixReport, Reason, UsageReport,
 };
 
 /// 100 blocks of 16 tokens: the watermark line (0.85) is at 85 blocks.
@@ -16,11 +16,29 @@ fn core() -> GateCore {
 
 /// Polls `id` at `now` (usage 0.1, no resident prefix) until it is admitted or told to wait.
 fn drive(core: &mut GateCore, id: AttemptId, now: f64) -> Action {
+    drive_with(core, id, now, usage_report(0.1, BLOCKS, BS as u64))
+}
+
+/// [`drive`] with the engine's scheduler reporting `running` and `waiting` requests.
+fn drive_queues(
+    core: &mut GateCore,
+    id: AttemptId,
+    now: f64,
+    running: u64,
+    waiting: u64,
+) -> Action {
+    let report = UsageReport {
+        num_running_reqs: Some(running),
+        num_waiting_reqs: Some(waiting),
+        ..usage_report(0.1, BLOCKS, BS as u64)
+    };
+    drive_with(core, id, now, report)
+}
+
+fn drive_with(core: &mut GateCore, id: AttemptId, now: f64, report: UsageReport) -> Action {
     for _ in 0..16 {
         match core.poll(id, now).unwrap() {
-            Action::ProbeUsage => core
-                .on_usage(id, Ok(usage_report(0.1, BLOCKS, BS as u64)), now)
-                .unwrap(),
+            Action::ProbeUsage => core.on_usage(id, Ok(report), now).unwrap(),
             Action::ProbePrefix => core
                 .on_prefix(id, Ok(PrefixReport::default()), now)
                 .unwrap(),
@@ -75,6 +93,69 @@ fn an_idle_reservation_yields_to_the_head_after_half_the_grace_window() {
     assert_eq!(c.stats().revocations, 1);
     assert_eq!(c.stats().committed_blocks, 50);
     c.check_invariants().unwrap();
+}
+
+#[test]
+fn an_idle_engine_lets_an_idle_room_yield_after_four_of_its_turns() {
+    let mut c = core();
+    one_turn(&mut c, "s1", 50, 0.0, 1.0);
+    // Nothing running or waiting in the engine: s1 (idle since 1 s, turns of 1 s) may yield
+    // at 1 + 4 x 1 = 5 s, with no floor of half the grace window.
+    let id = c.begin("s2", 50 * BS, 0, true, 2.0);
+    assert_eq!(
+        drive_queues(&mut c, id, 2.0, 0, 0),
+        Action::Wait { until: 5.0 }
+    );
+    assert!(c.has_reservation("s1"));
+    let a = admitted(drive_queues(&mut c, id, 5.0, 0, 0));
+    assert_eq!(a.reason, Reason::Open);
+    assert!(!c.has_reservation("s1"));
+    let stats = c.stats();
+    assert_eq!((stats.revocations, stats.idle_engine_yields), (1, 1));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_busy_engine_keeps_the_usual_yield_schedule() {
+    // One request running, or one waiting that the gate does not hold: the engine has work,
+    // and s1 holds its room until the floor (31 s), as with no counts at all.
+    for (running, waiting) in [(1, 0), (0, 1)] {
+        let mut c = core();
+        one_turn(&mut c, "s1", 50, 0.0, 1.0);
+        let id = c.begin("s2", 50 * BS, 0, true, 2.0);
+        assert_eq!(
+            drive_queues(&mut c, id, 2.0, running, waiting),
+            Action::Wait { until: 7.0 },
+            "the 5 s poll comes first"
+        );
+        assert_eq!(
+            drive_queues(&mut c, id, 20.0, running, waiting),
+            Action::Wait { until: 25.0 }
+        );
+        assert!(c.has_reservation("s1"));
+        // The engine went idle by the head's next poll: the room yields at once (idle 24 s;
+        // four of its turns are 4 s).
+        assert_eq!(
+            admitted(drive_queues(&mut c, id, 25.0, 0, 0)).reason,
+            Reason::Open
+        );
+        assert_eq!(c.stats().idle_engine_yields, 1);
+        c.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_yield_the_usual_rule_allows_is_not_counted_as_an_idle_engine_one() {
+    let mut c = core();
+    one_turn(&mut c, "s1", 50, 0.0, 1.0);
+    let id = c.begin("s2", 50 * BS, 0, true, 2.0);
+    assert!(waits(&drive_queues(&mut c, id, 2.0, 0, 0)));
+    assert_eq!(
+        admitted(drive_queues(&mut c, id, 31.0, 0, 0)).reason,
+        Reason::Open
+    );
+    let stats = c.stats();
+    assert_eq!((stats.revocations, stats.idle_engine_yields), (1, 0));
 }
 
 #[test]

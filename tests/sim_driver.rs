@@ -125,8 +125,10 @@ fn contending(a_turns: &[(u32, u32, f64)]) -> Vec<SessionSpec> {
 
 #[test]
 fn the_gate_wakes_a_waiter_when_the_session_ahead_finishes() {
+    // a's turn (100 tokens: ~1 s) is longer than a quarter of its tool call, so its room
+    // does not yield while the engine idles (core docs, "An idle engine").
     let out = run(
-        contending(&[(0, 8, 1.0)]),
+        contending(&[(0, 100, 1.0)]),
         33,
         ModeSpec::Gate(GateConfig::default()),
     );
@@ -144,9 +146,10 @@ fn the_gate_wakes_a_waiter_when_the_session_ahead_finishes() {
 
 #[test]
 fn the_gate_keeps_its_deadlines_in_virtual_time() {
-    // a holds its reservation for 20 s of tool calls; b's attempt gives up at max_wait.
+    // a holds its reservation for 20 s of tool calls; b's attempt gives up at max_wait, with
+    // the engine idle, before a's room may yield to it (4 of a's ~0.09 s turns after it ended).
     let config = GateConfig {
-        max_wait_sec: Some(0.5),
+        max_wait_sec: Some(0.3),
         ..GateConfig::default()
     };
     let out = run(
@@ -156,7 +159,7 @@ fn the_gate_keeps_its_deadlines_in_virtual_time() {
     );
     let b = of(&out, 1)[0];
     assert_eq!(b.reason, "max_wait");
-    assert!(close(b.wait_sec, 0.5), "{b:?}");
+    assert!(close(b.wait_sec, 0.3), "{b:?}");
 }
 
 #[test]
@@ -183,26 +186,36 @@ fn the_gate_wakes_the_head_waiter_when_a_grace_window_ends() {
 
 #[test]
 fn the_gate_polls_again_after_wait_poll_sec() {
-    // b waits behind a's reservation with no event to wake it until a ends at ~20 s; a's
-    // turns are cheap, so every poll finds the same pressure: b's admission comes at a's end.
+    // b waits behind a's first turn (~1 s, the engine busy), then behind a's reservation
+    // during its 20 s tool call with no event to wake it: the engine idles, so a's room may
+    // yield once idle four of a's turn times (~4 s). b polls every 2 s meanwhile, and is
+    // admitted at the yield, long before a's tool call ends.
     let config = GateConfig {
         wait_poll_sec: 2.0,
         ..GateConfig::default()
     };
     let out = run(
-        contending(&[(0, 8, 20.0), (10, 8, 0.0)]),
+        contending(&[(0, 100, 20.0), (10, 8, 0.0)]),
         33,
         ModeSpec::Gate(config),
     );
+    let a0 = of(&out, 0)[0];
     let b = of(&out, 1)[0];
-    assert!(b.wait_sec > 19.0, "{b:?}");
+    let turn = a0.latency_sec;
+    assert!(turn > 0.9, "{a0:?}");
+    assert!(
+        close(b.ready_at + b.wait_sec, a0.finished_at + 4.0 * turn),
+        "{b:?} {a0:?}"
+    );
+    assert_eq!(b.reason, "open");
     let stats = out.gate_stats.clone().unwrap();
-    // Each 2 s deadline made b poll again: a usage probe per poll, ~10 of them.
+    assert_eq!((stats.idle_engine_yields, stats.revocations), (1, 1));
+    // Each 2 s deadline made b poll again: the first look, a's release, then every 2 s.
     let usage_probes = stats
         .probe(session_gate::gate::ProbeKind::Usage)
         .latency
         .count;
-    assert!(usage_probes >= 10, "{usage_probes}");
+    assert!(usage_probes >= 4, "{usage_probes}");
 }
 
 #[test]

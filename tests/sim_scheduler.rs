@@ -290,16 +290,19 @@ fn the_same_inputs_give_the_same_run() {
     assert_eq!(run(), run());
 }
 
-/// Holds the requests whose ids it lists; counts the looks.
-struct Hold(Vec<u64>, u32);
+/// Holds the requests whose ids it lists; counts the looks and keeps the queue counts each
+/// look was given.
+struct Hold(Vec<u64>, u32, Vec<(usize, usize)>);
 
 impl session_gate::sim::scheduler::WaitingGate for Hold {
     fn may_schedule(
         &mut self,
         req: &SimRequest,
         _kv: &session_gate::sim::kv_manager::KvManager,
+        queues: (usize, usize),
     ) -> bool {
         self.1 += 1;
+        self.2.push(queues);
         !self.0.contains(&req.id)
     }
 }
@@ -310,12 +313,15 @@ fn a_waiting_gate_skips_held_requests_in_place_and_schedules_the_ones_behind() {
     for id in 1..=3 {
         r.add_request(unique(id, 40, 2)).unwrap();
     }
-    let mut gate = Hold(vec![1], 0);
+    let mut gate = Hold(vec![1], 0, Vec::new());
     r.step_gated(Some(&mut gate)).unwrap();
     let ids: Vec<u64> = r.last_scheduled().iter().map(|e| e.0).collect();
     assert_eq!(ids, vec![2, 3]);
     assert_eq!(r.scheduler().waiting_ids(), vec![1], "held in place");
     assert_eq!(gate.1, 3);
+    // Each look sees the queues as the step left them: a request let through leaves the
+    // waiting queue for the running list before the next look, as in vLLM's `schedule()`.
+    assert_eq!(gate.2, vec![(0, 3), (0, 3), (1, 2)]);
     // Once let through, it is scheduled with the running ones; a gate holding everything
     // waiting and nothing running is a step with no work.
     gate.0.clear();
@@ -323,6 +329,9 @@ fn a_waiting_gate_skips_held_requests_in_place_and_schedules_the_ones_behind() {
     assert_eq!(r.scheduler().waiting_ids(), Vec::<u64>::new());
     let mut r = replica(100, 4, 1000);
     r.add_request(unique(9, 40, 2)).unwrap();
-    assert!(r.step_gated(Some(&mut Hold(vec![9], 0))).is_none());
+    assert!(
+        r.step_gated(Some(&mut Hold(vec![9], 0, Vec::new())))
+            .is_none()
+    );
     assert_eq!(r.scheduler().waiting_ids(), vec![9]);
 }

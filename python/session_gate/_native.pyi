@@ -290,6 +290,7 @@ class _GateStatsDict(TypedDict):
     admissions_total: int
     attempts: int
     revocations: int
+    idle_engine_yields: int
     preemptions: int
     cancellations: int
     leases_released: int
@@ -327,9 +328,14 @@ class EngineGateBook:
         arm: object,
         future_cls: object,
         tier_usage: object | None = None,
+        scheduler: object | None = None,
     ) -> EngineGateBook:
         """``tier_usage() -> (num_blocks, used_blocks) | None``: the host KV tier's capacity
-        and use, read with every usage read when given."""
+        and use, read with every usage read when given; ``scheduler`` (vLLM's): its running
+        and waiting requests are counted with every usage read when given."""
+    def hold_in_queue(self, held: list[object]) -> None:
+        """Containers of the requests scheduler mode holds in vLLM's waiting queue: their
+        lengths are taken off the usage reads' waiting count."""
     @property
     def lease_ttl_sec(self) -> float: ...
     def admit(
@@ -405,8 +411,12 @@ class GateCore:
         now: float,
         offload_num_blocks: int | None = None,
         offload_used_blocks: int | None = None,
+        num_running_reqs: int | None = None,
+        num_waiting_reqs: int | None = None,
     ) -> None:
-        """The host tier's figures are ``None`` when the engine has no readable tier."""
+        """The host tier's figures are ``None`` when the engine has no readable tier; the
+        scheduler's request counts are ``None`` when the engine does not report them (then it
+        never counts as idle)."""
     def on_usage_unavailable(self, attempt: int, reason: str, now: float) -> None: ...
     def on_prefix(
         self,

@@ -401,6 +401,9 @@ class SessionGate:
                         _now(),
                         _tier_int(answer.get("offload_num_blocks")),
                         _tier_int(answer.get("offload_used_blocks")),
+                        # The engine's queues (absent from an older plugin: never idle).
+                        _optional_int(answer.get("num_running_reqs")),
+                        _optional_int(answer.get("num_waiting_reqs")),
                     )
             except KeyError as exc:
                 error, failed = f"usage answer has no {exc.args[0]!r}", True

@@ -227,6 +227,7 @@ pub unsafe extern "C" fn sg_gate_stats(
         let mut c = sg_stats {
             attempts: s.attempts,
             revocations: s.revocations,
+            idle_engine_yields: s.idle_engine_yields,
             preemptions: s.preemptions,
             cancellations: s.cancellations,
             leases_released: s.leases_released,

@@ -101,6 +101,8 @@ impl Probe for CallbackProbe {
                 block_size: u.block_size,
                 offload_num_blocks: u.has_offload_blocks.then_some(u.offload_num_blocks),
                 offload_used_blocks: u.has_offload_blocks.then_some(u.offload_used_blocks),
+                num_running_reqs: u.has_num_reqs.then_some(u.num_running_reqs),
+                num_waiting_reqs: u.has_num_reqs.then_some(u.num_waiting_reqs),
             })
         })
     }

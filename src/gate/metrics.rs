@@ -66,8 +66,11 @@ pub struct GateStats {
     pub admissions: [u64; Reason::ALL.len()],
     /// Attempts begun.
     pub attempts: u64,
-    /// Reservations revoked by age order (reason `revoked`).
+    /// Reservations revoked by age order (reason `revoked`), and idle ones that yielded.
     pub revocations: u64,
+    /// Idle reservations that yielded early because the engine had nothing running or waiting
+    /// (also counted in `revocations`; core module docs, "An idle engine").
+    pub idle_engine_yields: u64,
     /// Attempts preempted by a newer attempt of the same session.
     pub preemptions: u64,
     /// Attempts cancelled while pending.
@@ -110,6 +113,7 @@ impl GateStats {
             admissions: [0; Reason::ALL.len()],
             attempts: 0,
             revocations: 0,
+            idle_engine_yields: 0,
             preemptions: 0,
             cancellations: 0,
             leases_released: 0,
@@ -161,6 +165,7 @@ impl GateStats {
         match name {
             "session_gate_attempts_total" => one(self.attempts),
             "session_gate_revocations_total" => one(self.revocations),
+            "session_gate_idle_engine_yields_total" => one(self.idle_engine_yields),
             "session_gate_preemptions_total" => one(self.preemptions),
             "session_gate_cancellations_total" => one(self.cancellations),
             "session_gate_leases_released_total" => one(self.leases_released),
@@ -249,6 +254,11 @@ pub const METRICS: &[MetricDesc] = &[
         "session_gate_revocations_total",
         "counter",
         "Reservations revoked because the session's working set plus those of older reservations exceeded the watermark.",
+    ),
+    m(
+        "session_gate_idle_engine_yields_total",
+        "counter",
+        "Idle reservations that gave their room to a waiter early because the engine had nothing running or waiting (also in revocations).",
     ),
     m(
         "session_gate_preemptions_total",

@@ -19,6 +19,8 @@ pub fn usage_report(usage: f64, num_blocks: u64, block_size: u64) -> UsageReport
         block_size,
         offload_num_blocks: None,
         offload_used_blocks: None,
+        num_running_reqs: None,
+        num_waiting_reqs: None,
     }
 }
 

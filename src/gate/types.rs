@@ -110,9 +110,21 @@ pub struct UsageReport {
     pub offload_num_blocks: Option<u64>,
     /// GPU blocks' worth of KV the host tier holds now; `None` = no readable tier.
     pub offload_used_blocks: Option<u64>,
+    /// Requests the engine's scheduler is running now (vLLM's `num_running_reqs`); `None` =
+    /// not reported.
+    pub num_running_reqs: Option<u64>,
+    /// Requests waiting in the engine's scheduler to be scheduled, not counting those the
+    /// engine gate holds back in scheduler mode (vLLM's `num_waiting_reqs` minus them); `None`
+    /// = not reported.
+    pub num_waiting_reqs: Option<u64>,
 }
 
 impl UsageReport {
+    /// The engine reported nothing running and nothing waiting to be scheduled.
+    pub fn engine_idle(&self) -> bool {
+        self.num_running_reqs == Some(0) && self.num_waiting_reqs == Some(0)
+    }
+
     /// Why the report cannot be used, if it cannot (the core then treats it as unavailable).
     pub fn problem(&self) -> Option<&'static str> {
         if !(0.0..=1.0).contains(&self.kv_cache_usage) {

@@ -53,6 +53,14 @@ const TIER_UNAVAILABLE: &str = "unavailable";
 /// A host-tier field (`offloaded_tokens`, `offload_num_blocks`, `offload_used_blocks`): an
 /// integer, or `"unavailable"` (no readable tier); absent or `null` (an engine that predates
 /// the tier) reads as unavailable too. Anything else is a bad answer.
+/// A count an older plugin does not report: absent or `null` = `None`.
+fn optional_u64(v: &Value, key: &str) -> Result<Option<u64>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => u64_field(v, key).map(Some),
+    }
+}
+
 fn tier_field(v: &Value, key: &str) -> Result<Option<u64>> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -120,6 +128,8 @@ impl HttpProbe {
             block_size: u64_field(&v, "block_size")?,
             offload_num_blocks: tier_field(&v, "offload_num_blocks")?,
             offload_used_blocks: tier_field(&v, "offload_used_blocks")?,
+            num_running_reqs: optional_u64(&v, "num_running_reqs")?,
+            num_waiting_reqs: optional_u64(&v, "num_waiting_reqs")?,
         };
         *self.last_usage.lock().unwrap_or_else(|e| e.into_inner()) = Some(report);
         Ok(report)

@@ -87,6 +87,11 @@ struct Probes<'a, 'py> {
     /// `tier_usage() -> (num_blocks, used_blocks) | None`: the host KV tier, when the engine
     /// has a readable one.
     tier_usage: Option<&'a Bound<'py, PyAny>>,
+    /// The engine's queues, when the book was given its scheduler.
+    queues: Option<&'a Queues>,
+    /// This call decides on a request that sits in vLLM's waiting queue (scheduler mode): it
+    /// is not counted waiting either.
+    deciding_queued: bool,
     block_size: u64,
     /// `block_pool.num_gpu_blocks` (fixed for the pool's life), null block included.
     num_gpu_blocks: u64,
@@ -95,6 +100,30 @@ struct Probes<'a, 'py> {
     timed: bool,
     usage_ns: u64,
     prefix_ns: u64,
+}
+
+/// vLLM's scheduler, for the usage report's request counts, and the containers of the
+/// requests the scheduler mode holds in its waiting queue (taken off the waiting count).
+struct Queues {
+    scheduler: Py<PyAny>,
+    held: Vec<Py<PyAny>>,
+}
+
+impl Queues {
+    /// `(running, waiting)`: `len(scheduler.running)`, and `len(scheduler.waiting)` less the
+    /// held requests and `deciding` (the request being decided, when it sits in that queue).
+    /// Read each time (vLLM could rebind either attribute); `None` if anything cannot be read,
+    /// so a vLLM that changed its scheduler only loses the counts.
+    fn counts(&self, py: Python<'_>, deciding: usize) -> Option<(u64, u64)> {
+        let s = self.scheduler.bind(py);
+        let running = s.getattr(intern!(py, "running")).ok()?.len().ok()?;
+        let waiting = s.getattr(intern!(py, "waiting")).ok()?.len().ok()?;
+        let mut held = deciding;
+        for h in &self.held {
+            held += h.bind(py).len().ok()?;
+        }
+        Some((running as u64, waiting.saturating_sub(held) as u64))
+    }
 }
 
 impl Probes<'_, '_> {
@@ -119,6 +148,8 @@ impl Probes<'_, '_> {
                 .map_or((None, None), |(num, used)| (Some(num), Some(used))),
             None => (None, None),
         };
+        let deciding = usize::from(self.deciding_queued);
+        let counts = self.queues.and_then(|q| q.counts(self.py, deciding));
         Ok(UsageReport {
             kv_cache_usage,
             num_blocks,
@@ -127,6 +158,8 @@ impl Probes<'_, '_> {
             block_size: self.block_size,
             offload_num_blocks,
             offload_used_blocks,
+            num_running_reqs: counts.map(|c| c.0),
+            num_waiting_reqs: counts.map(|c| c.1),
         })
     }
 
@@ -222,6 +255,11 @@ pub(crate) struct PyEngineGateBook {
     prefix: Py<PyAny>,
     /// `tier_usage() -> (num_blocks, used_blocks) | None`, when the engine has a host KV tier.
     tier_usage: Option<Py<PyAny>>,
+    /// The engine's queues, for the request counts of every usage read.
+    queues: Option<Queues>,
+    /// Set while a scheduler-mode admit runs (`admit_trusted`, the native look's
+    /// `admit_native`): its request is in vLLM's waiting queue ([`Probes::deciding_queued`]).
+    deciding_queued: bool,
     /// `arm(at)`: asks the timer thread to wake the engine at `at` (the core's clock).
     arm: Py<PyAny>,
     /// `concurrent.futures.Future`.
@@ -465,6 +503,8 @@ impl PyEngineGateBook {
             free_queue: self.free_queue.bind(py),
             prefix: self.prefix.bind(py),
             tier_usage: self.tier_usage.as_ref().map(|t| t.bind(py)),
+            queues: self.queues.as_ref(),
+            deciding_queued: self.deciding_queued,
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             usage: None,
@@ -623,7 +663,10 @@ impl PyEngineGateBook {
     ) -> PyResult<Result<Answer, Py<PyAny>>> {
         let started = Instant::now();
         let ticket = admit.ticket;
-        match self.admit_checked(py, started, admit)? {
+        self.deciding_queued = true;
+        let checked = self.admit_checked(py, started, admit);
+        self.deciding_queued = false;
+        match checked? {
             Some(a) => {
                 let us = started.elapsed().as_secs_f64() * 1e6;
                 self.admit_time.record(us);
@@ -712,9 +755,11 @@ impl PyEngineGateBook {
     /// A gate core with `config` over vLLM's `block_pool` (`hash_block_size` tokens per
     /// block), `prefix(session_id, token_ids) -> dict` for the prefix probe, `arm(at)` for the
     /// timer, `future_cls` (`concurrent.futures.Future`) for deferred answers, and the
-    /// engine's vocabulary size and context length for checking prompts.
+    /// engine's vocabulary size and context length for checking prompts; `tier_usage()` for
+    /// the host KV tier's figures and vLLM's `scheduler` for the request counts of every usage
+    /// read (the core's idle-engine rule), when there are.
     #[new]
-    #[pyo3(signature = (config, lease_ttl_sec, block_pool, block_size, vocab_size, max_model_len, prefix, arm, future_cls, tier_usage=None))]
+    #[pyo3(signature = (config, lease_ttl_sec, block_pool, block_size, vocab_size, max_model_len, prefix, arm, future_cls, tier_usage=None, scheduler=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -728,6 +773,7 @@ impl PyEngineGateBook {
         arm: Py<PyAny>,
         future_cls: Py<PyAny>,
         tier_usage: Option<Py<PyAny>>,
+        scheduler: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         no_panic("EngineGateBook()", || {
             let core = GateCore::new(config.inner().clone())?;
@@ -741,6 +787,11 @@ impl PyEngineGateBook {
                 free_queue,
                 prefix,
                 tier_usage,
+                queues: scheduler.map(|scheduler| Queues {
+                    scheduler,
+                    held: Vec::new(),
+                }),
+                deciding_queued: false,
                 arm,
                 future_cls,
                 block_size,
@@ -813,7 +864,8 @@ impl PyEngineGateBook {
         no_panic("EngineGateBook.admit_trusted", || {
             let len = token_ids.len()?;
             let retain = PyBool::new(py, true).to_owned().into_any();
-            self.admit_inner(
+            self.deciding_queued = true;
+            let answer = self.admit_inner(
                 py,
                 started,
                 session_id,
@@ -823,7 +875,9 @@ impl PyEngineGateBook {
                 Some(ticket),
                 Some(client_id),
                 Some(len),
-            )
+            );
+            self.deciding_queued = false;
+            answer
         })
         .map_err(|e| bad_input(py, e))
     }
@@ -952,6 +1006,16 @@ impl PyEngineGateBook {
                 .map(|c| (c.client_id, c.silent_sec, c.leases, c.attempts))
                 .collect())
         })
+    }
+
+    /// Containers (anything with a `len()`) of the requests the scheduler mode holds in
+    /// vLLM's waiting queue: the request counts of every usage read take them off the waiting
+    /// count, since a held request is not work the engine could do. Replaces earlier ones; a
+    /// book made without a `scheduler` has no counts, and this changes nothing.
+    fn hold_in_queue(&mut self, held: Vec<Py<PyAny>>) {
+        if let Some(q) = &mut self.queues {
+            q.held = held;
+        }
     }
 
     /// The seconds a silent client's leases and attempts survive.

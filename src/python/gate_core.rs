@@ -217,8 +217,9 @@ impl PyGateCore {
     }
 
     /// The usage probe answered (the keys of `session_gate_usage`). The host tier's figures
-    /// are `None` when the engine has no readable tier (or predates them).
-    #[pyo3(signature = (attempt, kv_cache_usage, num_blocks, num_free_blocks, num_cached_free_blocks, block_size, now, offload_num_blocks=None, offload_used_blocks=None))]
+    /// are `None` when the engine has no readable tier (or predates them); the scheduler's
+    /// request counts are `None` when the engine does not report them.
+    #[pyo3(signature = (attempt, kv_cache_usage, num_blocks, num_free_blocks, num_cached_free_blocks, block_size, now, offload_num_blocks=None, offload_used_blocks=None, num_running_reqs=None, num_waiting_reqs=None))]
     #[allow(clippy::too_many_arguments)]
     fn on_usage(
         &mut self,
@@ -231,6 +232,8 @@ impl PyGateCore {
         now: f64,
         offload_num_blocks: Option<u64>,
         offload_used_blocks: Option<u64>,
+        num_running_reqs: Option<u64>,
+        num_waiting_reqs: Option<u64>,
     ) -> PyResult<()> {
         no_panic("GateCore.on_usage", || {
             let report = UsageReport {
@@ -241,6 +244,8 @@ impl PyGateCore {
                 block_size,
                 offload_num_blocks,
                 offload_used_blocks,
+                num_running_reqs,
+                num_waiting_reqs,
             };
             Ok(self
                 .core
@@ -394,6 +399,7 @@ pub(super) fn stats_dict<'py>(py: Python<'py>, s: &GateStats) -> PyResult<Bound<
     for (key, v) in [
         ("attempts", s.attempts),
         ("revocations", s.revocations),
+        ("idle_engine_yields", s.idle_engine_yields),
         ("preemptions", s.preemptions),
         ("cancellations", s.cancellations),
         ("leases_released", s.leases_released),

@@ -504,7 +504,12 @@ struct HookGate<'a> {
 }
 
 impl WaitingGate for HookGate<'_> {
-    fn may_schedule(&mut self, req: &SimRequest, kv: &crate::sim::kv_manager::KvManager) -> bool {
+    fn may_schedule(
+        &mut self,
+        req: &SimRequest,
+        kv: &crate::sim::kv_manager::KvManager,
+        (running, waiting): (usize, usize),
+    ) -> bool {
         if self.error.is_some() {
             return true;
         }
@@ -516,10 +521,13 @@ impl WaitingGate for HookGate<'_> {
             return true;
         };
         let session_id = &self.clients[s].spec.session_id;
-        match self
-            .hook
-            .may_schedule(self.now, s, session_id, req, Probes::new(kv))
-        {
+        match self.hook.may_schedule(
+            self.now,
+            s,
+            session_id,
+            req,
+            Probes::new(kv).with_queues(running, waiting),
+        ) {
             Ok(ready) => ready,
             Err(e) => {
                 self.error = Some(e);

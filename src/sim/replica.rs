@@ -242,9 +242,10 @@ impl Replica {
             .probe_prefix_memo(key, block_hashes, prompt_tokens, memo)
     }
 
-    /// The probes over the replica's KV state now.
+    /// The probes over the replica's KV state and queues now.
     pub fn probes(&self) -> Probes<'_> {
-        let probes = Probes::new(&self.sched.kv);
+        let probes =
+            Probes::new(&self.sched.kv).with_queues(self.num_running(), self.num_waiting());
         match &self.sched.offload {
             Some(off) => probes.with_tier(&off.tier),
             None => probes,
@@ -285,12 +286,27 @@ impl Replica {
 pub struct Probes<'a> {
     kv: &'a KvManager,
     tier: Option<&'a HostTier>,
+    /// The scheduler's running and waiting request counts, when known.
+    queues: Option<(u64, u64)>,
 }
 
 impl<'a> Probes<'a> {
     /// The probes over `kv`, with no host tier.
     pub fn new(kv: &'a KvManager) -> Self {
-        Self { kv, tier: None }
+        Self {
+            kv,
+            tier: None,
+            queues: None,
+        }
+    }
+
+    /// The same probes also answering the scheduler's request counts: `running` requests
+    /// and `waiting` ones (all of them: a scheduler-mode gate takes off those it holds).
+    pub fn with_queues(self, running: usize, waiting: usize) -> Self {
+        Self {
+            queues: Some((running as u64, waiting as u64)),
+            ..self
+        }
     }
 
     /// The same probes also reading the host tier `tier` (read-only: lookups do not touch
@@ -320,6 +336,8 @@ impl<'a> Probes<'a> {
             block_size: u64::from(self.kv.block_size()),
             offload_num_blocks: self.tier.map(HostTier::capacity),
             offload_used_blocks: self.tier.map(HostTier::used),
+            num_running_reqs: self.queues.map(|q| q.0),
+            num_waiting_reqs: self.queues.map(|q| q.1),
         }
     }
 

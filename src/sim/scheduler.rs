@@ -71,8 +71,9 @@ impl ReqState {
 /// gate's probes).
 pub trait WaitingGate {
     /// Whether `req` may be scheduled in this step; `false` skips it for this step and leaves
-    /// it where it is in the waiting queue.
-    fn may_schedule(&mut self, req: &SimRequest, kv: &KvManager) -> bool;
+    /// it where it is in the waiting queue. `queues` is `(running, waiting)` as the step has
+    /// left them so far (`req` and the requests skipped before it are still waiting).
+    fn may_schedule(&mut self, req: &SimRequest, kv: &KvManager, queues: (usize, usize)) -> bool;
 }
 
 /// What one step scheduled, for the cost model and the caller.
@@ -293,7 +294,8 @@ impl Scheduler {
                 }
                 if let Some(gate) = gate.as_deref_mut() {
                     let st = self.reqs.get(&id).expect("waiting request is known");
-                    if !gate.may_schedule(&st.req, &self.kv) {
+                    let queues = (self.running.len(), self.waiting.len());
+                    if !gate.may_schedule(&st.req, &self.kv, queues) {
                         pos += 1;
                         continue;
                     }

@@ -70,6 +70,9 @@ class Book:
         self.renewed += 1
         return (0, 0)
 
+    def hold_in_queue(self, held) -> None:
+        self.held_in_queue = held
+
 
 class Driver:
     def __init__(self) -> None:
@@ -355,14 +358,21 @@ def test_an_aborted_hold_leaves_nothing_in_the_native_look():
 class NativeDriver(Driver):
     """The real native book over a stand-in block pool of ``blocks`` blocks of 16 tokens."""
 
-    def __init__(self, blocks: int = 64, free: int = 64) -> None:
+    def __init__(self, blocks: int = 64, free: int = 64, scheduler: object = None) -> None:
         from session_gate.engine.gate_driver import native_book
 
         native = pytest.importorskip("session_gate._native")
         pool = SimpleNamespace(
             num_gpu_blocks=blocks + 1, free_block_queue=SimpleNamespace(num_free_blocks=free)
         )
-        state = SimpleNamespace(block_pool=pool, block_size=16, vocab_size=1000, max_model_len=4096)
+        state = SimpleNamespace(
+            block_pool=pool,
+            block_size=16,
+            vocab_size=1000,
+            max_model_len=4096,
+            scheduler=scheduler,
+        )
+        self._probes = state
 
         def walk(session_id, token_ids) -> dict:  # nothing resident: a cold prompt
             n = len(token_ids)
@@ -495,3 +505,39 @@ def test_a_hold_of_the_native_look_is_answered_through_the_gates_held_not_a_futu
     assert made[0].done() and made[0].answer["status"] == "admitted"
     assert gate.look.holding == 0
     assert look(other) is True and gate.stats()["leases"] == 1
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_an_idle_engine_lets_a_held_request_take_an_idle_rooms_place(busy):
+    """The book counts vLLM's queues on every usage read, less the requests held in the
+    waiting queue and the one being decided: with nothing else running or waiting the engine
+    is idle, and an idle session's room goes to the held request after four of that session's
+    turn times (here milliseconds), not half of the 60 s grace window. A waiting request that
+    is not held is work: then the room stays."""
+    scheduler = SimpleNamespace(running=[], waiting=[])
+    driver = NativeDriver(blocks=64, free=64, scheduler=scheduler)
+    gate = SchedulerGate(driver)
+    assert driver._probes.held_in_queue == (gate._held, gate._queued)
+    look = native_look(gate, [True], [])
+    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
+    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
+    scheduler.waiting.append(big)
+    assert look(big) is True
+    scheduler.waiting.remove(big)
+    scheduler.running.append(big)
+    time.sleep(0.005)
+    scheduler.running.remove(big)
+    gate.free(big)  # a turn of ~5 ms; s1 keeps its room while idle
+    scheduler.waiting.append(other)
+    if busy:
+        scheduler.waiting.append(prompt_request("n", None, 10))  # ungated: the engine's work
+    assert look(other) is False  # held: s1's room does not yield yet (idle under 4 turns)
+    time.sleep(0.1)
+    driver._book.tick(time.monotonic())
+    stats = driver._book.stats()
+    if busy:
+        assert gate.look.holding == 1 and stats["idle_engine_yields"] == 0
+    else:
+        assert gate.look.holding == 0 and look(other) is True
+        assert (stats["idle_engine_yields"], stats["revocations"]) == (1, 1)
+    driver._book.check_invariants()

@@ -57,6 +57,28 @@ def test_usage_reports_vllm_usage_and_block_counts(llm):
         call(llm, "session_gate_usage", "yes")
 
 
+def test_usage_counts_the_schedulers_running_and_waiting_requests(llm):
+    """The counts the gate's idle-engine rule reads: a request added is waiting or running
+    (the engine core's own loop may step between the add and the probe) until it finishes;
+    an engine with neither is idle."""
+    from vllm import SamplingParams
+
+    def counts():
+        usage = call(llm, "session_gate_usage")
+        return usage["num_running_reqs"], usage["num_waiting_reqs"]
+
+    engine = llm.llm_engine
+    assert counts() == (0, 0)
+    prompt = {"prompt_token_ids": random_prompt(random.Random(31), 2 * BLOCK + 3)}
+    # Long enough that it cannot finish before the probe answers.
+    engine.add_request("counted", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+    running, waiting = counts()
+    assert running + waiting == 1 and min(running, waiting) == 0, (running, waiting)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert counts() == (0, 0)
+
+
 def test_an_engine_without_a_host_tier_says_so_through_the_utility_calls(llm):
     """No KV connector on this engine (vLLM's CPU backend cannot offload): the tier's figures
     cross the utility call as "unavailable", beside a GPU answer that is still given."""

@@ -76,6 +76,8 @@ def native_book(
         Future,
         # The host tier's capacity and use join every usage read, when the engine has one.
         tier_usage=state.tier_usage if getattr(state, "tier", None) is not None else None,
+        # The request counts of every usage read (the core's idle-engine rule).
+        scheduler=getattr(state, "scheduler", None),
     )
 
 

@@ -247,6 +247,14 @@ class SchedulerGate:
         #: ``free`` once it is installed (it releases a scheduled request's lease itself and
         #: hands every other free to :meth:`on_free`).
         self.free: Any = self.on_free
+        # The requests held here sit in vLLM's waiting queue but are no work the engine could
+        # do: the usage reads (the book's and the usage probe's) take them off the waiting
+        # count, so an engine whose only waiting requests are held counts as idle.
+        held_in_queue = (self._held, self._queued)
+        self._book.hold_in_queue(list(held_in_queue))
+        state = getattr(driver, "_probes", None)
+        if state is not None:
+            state.held_in_queue = held_in_queue
 
     # -- the scheduler's question (engine thread) -------------------------------------------
 

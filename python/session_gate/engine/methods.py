@@ -64,8 +64,14 @@ class EngineState:
         native_error: str | None = None,
         tier: HostTier | None = None,
         tier_unavailable: str | None = "no KV connector: the engine has no host KV tier",
+        scheduler: Any = None,
     ) -> None:
         kvm = kv_cache_manager
+        #: vLLM's scheduler, for the usage probe's request counts (``None``: not reported).
+        self.scheduler = scheduler
+        #: Containers of the requests the engine gate's scheduler mode holds in the waiting
+        #: queue (set when it attaches): not work the engine could do, so not counted waiting.
+        self.held_in_queue: tuple[Any, ...] = ()
         self.kv_cache_manager = kvm
         self.block_pool = kvm.block_pool
         self.block_size = int(self.block_pool.hash_block_size)
@@ -124,6 +130,7 @@ class EngineState:
             native_error=native_error,
             tier=tier,
             tier_unavailable=tier_unavailable,
+            scheduler=core.scheduler,
         )
 
     def _why_unavailable(self, kvm: Any, lora_enabled: bool) -> str | None:
@@ -181,7 +188,22 @@ class EngineState:
             answer["offload_num_blocks"], answer["offload_used_blocks"] = tier.usage()
         else:
             answer["offload_num_blocks"] = answer["offload_used_blocks"] = UNAVAILABLE
+        counts = self.queue_counts()
+        answer["num_running_reqs"], answer["num_waiting_reqs"] = counts or (None, None)
         return answer
+
+    def queue_counts(self) -> tuple[int, int] | None:
+        """``(running, waiting)`` requests in the engine's scheduler, the waiting ones less
+        those the scheduler mode holds (the engine gate's book reads the same natively), or
+        ``None`` without a scheduler or when this vLLM's cannot be read."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return None
+        try:
+            held = sum(len(h) for h in self.held_in_queue)
+            return len(scheduler.running), max(len(scheduler.waiting) - held, 0)
+        except (AttributeError, TypeError):
+            return None
 
     def tier_usage(self) -> tuple[int, int] | None:
         """The host tier's ``(capacity, held)`` in GPU blocks, or ``None`` without a readable

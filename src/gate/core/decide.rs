@@ -2,7 +2,8 @@
 //! the state changes a decision can make: revoking the asking session's reservation, and idle
 //! reservations yielding their room to the head of the queue.
 use super::{
-    Attempt, GONE_AFTER_GAPS, GateCore, Hit, Step, YIELD_AFTER_TURNS, YIELD_FLOOR_OF_GRACE,
+    Attempt, GONE_AFTER_GAPS, GateCore, Hit, Step, YIELD_AFTER_TURNS,
+    YIELD_AFTER_TURNS_IDLE_ENGINE, YIELD_FLOOR_OF_GRACE,
 };
 use crate::gate::config::Pressure;
 use crate::gate::types::Reason;
@@ -46,8 +47,9 @@ impl GateCore {
                         let older = self.ledger.older_than(age);
                         // Idle rooms that may yield go before a live reservation is revoked:
                         // they are more likely gone than the session asking now.
+                        let idle = self.attempts[&id].engine_idle;
                         let revoke = !keeps(0, older)
-                            && !self.yield_idle_until(now, Some((slot, age)), |freed, fo| {
+                            && !self.yield_idle_until(now, Some((slot, age)), idle, |freed, fo| {
                                 keeps(freed, older - fo)
                             });
                         if !revoke {
@@ -83,7 +85,8 @@ impl GateCore {
                         if usage < hw && (committed + ws) as f64 <= line {
                             return Step::Admit(Reason::Open);
                         }
-                        if usage < hw && self.yield_idle(ws, line, now) {
+                        let idle = self.attempts[&id].engine_idle;
+                        if usage < hw && self.yield_idle(ws, line, now, idle) {
                             return Step::Admit(Reason::Open);
                         }
                     }
@@ -115,9 +118,9 @@ impl GateCore {
 
     /// Yielding idle room (module docs): lets a working set of `ws` blocks fit under `line`
     /// by dropping idle reservations that may yield. Returns whether it fits.
-    fn yield_idle(&mut self, ws: u64, line: f64, now: f64) -> bool {
+    fn yield_idle(&mut self, ws: u64, line: f64, now: f64, engine_idle: bool) -> bool {
         let committed = self.ledger.committed();
-        self.yield_idle_until(now, None, |freed, _| {
+        self.yield_idle_until(now, None, engine_idle, |freed, _| {
             (committed - freed + ws) as f64 <= line
         })
     }
@@ -130,6 +133,7 @@ impl GateCore {
         &mut self,
         now: f64,
         asking: Option<(u32, u64)>,
+        engine_idle: bool,
         fits: impl Fn(u64, u64) -> bool,
     ) -> bool {
         let (asking, asking_age) = asking.unwrap_or((u32::MAX, u64::MAX));
@@ -139,18 +143,27 @@ impl GateCore {
             if fits(freed, freed_older) {
                 break;
             }
-            if slot != asking && self.may_yield_at(slot, until).is_some_and(|t| t <= now) {
+            if slot != asking
+                && self
+                    .may_yield_at(slot, until, engine_idle)
+                    .is_some_and(|t| t <= now)
+            {
                 freed += blocks;
                 if age < asking_age {
                     freed_older += blocks;
                 }
-                take.push((slot, age));
+                // Only the idle engine let it yield this early.
+                let early = engine_idle
+                    && self
+                        .may_yield_at(slot, until, false)
+                        .is_some_and(|t| t > now);
+                take.push((slot, age, early));
             }
         }
         if take.is_empty() || !fits(freed, freed_older) {
             return false;
         }
-        for (slot, age) in take {
+        for (slot, age, early) in take {
             let res = self.sessions.get(slot).reservation.as_ref();
             if res.map(|r| r.age) == Some(age) {
                 if let Some(until) = res.and_then(|r| r.idle_until) {
@@ -159,6 +172,9 @@ impl GateCore {
                 self.drop_reservation(slot);
                 self.sessions.gc(slot);
                 self.stats.revocations += 1;
+                if early {
+                    self.stats.idle_engine_yields += 1;
+                }
             }
         }
         self.epoch += 1;
@@ -168,8 +184,10 @@ impl GateCore {
     /// When the idle reservation of `slot`, whose grace window ends at `until`, may yield:
     /// once idle [`YIELD_AFTER_TURNS`] of its session's mean turn times and
     /// [`YIELD_FLOOR_OF_GRACE`] of `idle_grace_sec`, or sooner, [`GONE_AFTER_GAPS`] times the
-    /// recent sessions' 90th-percentile return gap. `None` if it has no turn time yet.
-    pub(super) fn may_yield_at(&self, slot: u32, until: f64) -> Option<f64> {
+    /// recent sessions' 90th-percentile return gap; and, while the engine has nothing to do
+    /// (`engine_idle`), once idle [`YIELD_AFTER_TURNS_IDLE_ENGINE`] of its session's mean turn
+    /// times. `None` if it has no turn time yet.
+    pub(super) fn may_yield_at(&self, slot: u32, until: f64, engine_idle: bool) -> Option<f64> {
         let turn = self
             .sessions
             .get(slot)
@@ -181,14 +199,18 @@ impl GateCore {
         if let Some(gap) = self.gaps.p90() {
             after = after.min(GONE_AFTER_GAPS * gap);
         }
+        if engine_idle {
+            after = after.min(YIELD_AFTER_TURNS_IDLE_ENGINE * turn);
+        }
         Some(until - grace + after)
     }
 
-    /// The earliest time after `now` at which an idle reservation may yield, if any.
-    pub(super) fn next_yield(&self, now: f64) -> Option<f64> {
+    /// The earliest time after `now` at which an idle reservation may yield, if any
+    /// (`engine_idle` as in [`Self::may_yield_at`]).
+    pub(super) fn next_yield(&self, now: f64, engine_idle: bool) -> Option<f64> {
         self.ledger
             .idle()
-            .filter_map(|(until, slot, _, _)| self.may_yield_at(slot, until))
+            .filter_map(|(until, slot, _, _)| self.may_yield_at(slot, until, engine_idle))
             .filter(|&t| t > now)
             .min_by(f64::total_cmp)
     }

@@ -56,6 +56,27 @@
 //! default 60 s, sessions whose tools return within 30 s, and within twice the usual return
 //! gap, never lose their room to a waiter.
 //!
+//! **An idle engine.** A usage report may carry the engine scheduler's request counts
+//! (`num_running_reqs`, `num_waiting_reqs`: vLLM's running list and waiting queue, not
+//! counting requests the engine gate holds back in scheduler mode). When both are 0 the engine
+//! has nothing to do, and an idle reservation may yield to the head of the queue once idle
+//! [`YIELD_AFTER_TURNS_IDLE_ENGINE`] (4) of its session's own mean turn times, with no floor
+//! (the grace-window floor and the 8 turns above still apply while the engine is busy; they
+//! are counted in `idle_engine_yields` as well as in `revocations`). Why: the rule above prices
+//! a re-prefill at about one turn and waits many turns because a waiter admitted early competes
+//! with the engine's work; with no work in the engine, a waiter held back for a tool call that
+//! runs many of the sessions' turns long only leaves the engine idle. Turn times measure the
+//! hardware: on a CPU where re-prefilling the tiny model takes milliseconds (AMX), four turns
+//! are a fraction of a tool call and rooms yield often; on the H200 profiles, where the engine
+//! is never idle while sessions wait, nothing changes. Measured on the twin
+//! (`docs/lab-notes/idle-engine.md`): 0.83x / 0.94x the makespan of the rule without it on
+//! `default` / `mixed` with a profile fitted on an AMX VM, identical on the shipped `cpu-tiny`
+//! and every H200 row but `long-tool` (+1.8%). Rejected on the same runs: admitting the head
+//! over the line while the engine is idle (4% slower on `mixed` with the shipped profile,
+//! hit 0.74), and 1-3 turns (1 is slower on the shipped profile; 3 is within 2% of 4). A
+//! report without the counts (an older plugin, a C probe that leaves `has_num_reqs` false)
+//! never shows an idle engine.
+//!
 //! **With a host KV tier** that holds every committed working set (step 0), the gate steps
 //! aside: a prefix evicted from the GPU reloads from the tier (vLLM stores every computed
 //! prompt block there) in milliseconds instead of being recomputed, so holding a turn back to
@@ -140,6 +161,10 @@ use crate::error::{Error, Result};
 pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
 /// ... and at least this fraction of `idle_grace_sec` (module docs, as above).
 pub(crate) const YIELD_FLOOR_OF_GRACE: f64 = 0.5;
+/// While the engine has nothing running or waiting, an idle reservation may yield once idle
+/// this many of its session's own mean turn times, with no floor (module docs, "An idle
+/// engine"). Not a knob: chosen on the twin matrix with profiles of two kinds of CPU.
+pub(crate) const YIELD_AFTER_TURNS_IDLE_ENGINE: f64 = 4.0;
 /// Or, sooner, once idle this many times the recent 90th percentile of return gaps: by then
 /// the session is more likely gone than in a tool call (module docs, as above).
 pub(crate) const GONE_AFTER_GAPS: f64 = 2.0;
@@ -187,6 +212,8 @@ struct Attempt {
     phase: Phase,
     /// This cycle's vLLM usage; `None` = the probe failed.
     usage: Option<f64>,
+    /// This cycle's usage report said the engine had nothing running or waiting.
+    engine_idle: bool,
     /// Epoch when this cycle's usage was taken: a decision to wait on data older than the last
     /// release starts a fresh cycle instead.
     usage_epoch: u64,
@@ -323,6 +350,7 @@ impl GateCore {
                 started: now,
                 phase: Phase::AwaitUsage,
                 usage: None,
+                engine_idle: false,
                 usage_epoch: self.epoch,
                 hit: Hit::NotAsked,
                 retain: retain_session,
@@ -400,6 +428,7 @@ impl GateCore {
         }
         let report = report.ok().filter(|r| r.problem().is_none());
         a.usage = report.map(|r| r.kv_cache_usage);
+        a.engine_idle = report.is_some_and(|r| r.engine_idle());
         a.usage_epoch = epoch;
         a.phase = Phase::Decide;
         if let Some(r) = report {
@@ -661,7 +690,8 @@ impl GateCore {
             if let Some(t) = self.ledger.next_expiry() {
                 until = until.min(t.max(now));
             }
-            if let Some(t) = self.next_yield(now) {
+            let idle = self.attempts[&id].engine_idle;
+            if let Some(t) = self.next_yield(now, idle) {
                 until = until.min(t);
             }
         }

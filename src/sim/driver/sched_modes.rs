@@ -158,6 +158,9 @@ pub(crate) struct SchedMode {
     probe_memos: Vec<HitMemo>,
     parked: ParkedAttempts,
     seen_epoch: u64,
+    /// Requests the gate holds (their look is [`Look::Held`]): all in the replica's waiting
+    /// queue, and taken off its count in the usage the gate reads (as the engine's book does).
+    held: u64,
     /// Seconds from a due `Wait` to its next poll: the profile's fixed step cost (set at the
     /// first turn, from the replica).
     tick_gap: f64,
@@ -188,6 +191,7 @@ impl SchedMode {
             probe_memos: Vec::new(),
             parked: ParkedAttempts::default(),
             seen_epoch,
+            held: 0,
             tick_gap: MIN_TICK_GAP_SEC,
         };
         mode.reset(sessions);
@@ -202,6 +206,7 @@ impl SchedMode {
             inf.previous = vec![None; sessions];
         }
         self.parked.clear();
+        self.held = 0;
         self.seen_epoch = self.core.epoch();
     }
 
@@ -219,7 +224,10 @@ impl SchedMode {
                 Action::ProbeUsage => {
                     // In-process, on the engine thread: no wait, no timeout.
                     self.core.record_probe(ProbeKind::Usage, 0.0, true);
-                    self.core.on_usage(id, Ok(probes.usage()), now)?;
+                    let mut usage = probes.usage();
+                    usage.num_waiting_reqs =
+                        usage.num_waiting_reqs.map(|w| w.saturating_sub(self.held));
+                    self.core.on_usage(id, Ok(usage), now)?;
                 }
                 Action::ProbePrefix => {
                     self.core.record_probe(ProbeKind::Prefix, 0.0, true);
@@ -243,6 +251,7 @@ impl SchedMode {
                 }
                 Action::Admit(admission) => {
                     self.parked.remove(id.0);
+                    self.held -= 1;
                     seen.look = Look::Admitted {
                         lease: admission.lease,
                         reason: admission.reason.as_str(),
@@ -294,6 +303,7 @@ impl SchedMode {
             true,
             now,
         );
+        self.held += 1;
         self.seen[s] = Some(Seen {
             look: Look::Held(id),
             hashes: req.block_hashes.clone(),
