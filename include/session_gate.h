@@ -180,6 +180,10 @@ typedef struct sg_config {
     /** Output tokens a turn's working set counts when its request says
      * `SG_MAX_TOKENS_DEFAULT` (an acquire without `max_tokens`). Default 256. */
     size_t default_max_tokens;
+    /** While the engine reports nothing running or waiting (`sg_usage.has_num_reqs`), a
+     * session's idle room may yield to the queue's head after this many of its own mean turn
+     * times; 0 = never early. Default 4. */
+    size_t idle_engine_turns;
 } sg_config;
 
 /** Every knob at its default. */
@@ -188,8 +192,8 @@ sg_config sg_config_default(void);
 /** The defaults overridden by the process environment: `SESSION_GATE_HIGH_WATERMARK`,
  * `SESSION_GATE_HIT_THRESHOLD`, `SESSION_GATE_WAIT_POLL_SEC`, `SESSION_GATE_IDLE_GRACE_SEC`,
  * `SESSION_GATE_PRESSURE` (committed | engine), `SESSION_GATE_MAX_WAIT_SEC` (seconds, or
- * none | off), `SESSION_GATE_PROBE_TIMEOUT_SEC`, `SESSION_GATE_DEFAULT_MAX_TOKENS`; blank ones
- * are ignored.
+ * none | off), `SESSION_GATE_PROBE_TIMEOUT_SEC`, `SESSION_GATE_DEFAULT_MAX_TOKENS`,
+ * `SESSION_GATE_IDLE_ENGINE_TURNS`; blank ones are ignored.
  * `SG_INVALID_CONFIG` (and `*out` untouched) if a variable is malformed or out of range. */
 sg_status sg_config_from_env(sg_config *out);
 

@@ -318,3 +318,26 @@ fn sessions_that_lost_their_room_still_count_their_gap_when_they_return() {
     assert_eq!(action, Action::Wait { until: back + 9.0 });
     c.check_invariants().unwrap();
 }
+
+#[test]
+fn idle_engine_turns_zero_turns_the_idle_engine_rule_off() {
+    let mut c = GateCore::new(GateConfig {
+        idle_engine_turns: 0,
+        ..GateConfig::default()
+    })
+    .unwrap();
+    one_turn(&mut c, "s1", 50, 0.0, 1.0);
+    let id = c.begin("s2", 50 * BS, 0, true, 2.0);
+    // The engine idles, yet s1 keeps its room until the floor (idle since 1 s: 31 s).
+    assert_eq!(
+        drive_queues(&mut c, id, 2.0, 0, 0),
+        Action::Wait { until: 7.0 }
+    );
+    assert!(waits(&drive_queues(&mut c, id, 30.0, 0, 0)));
+    assert!(c.has_reservation("s1"));
+    assert_eq!(
+        admitted(drive_queues(&mut c, id, 31.0, 0, 0)).reason,
+        Reason::Open
+    );
+    assert_eq!(c.stats().idle_engine_yields, 0);
+}

@@ -169,7 +169,9 @@ class GateConfig:
     Omitted knobs (or ``None``) keep their defaults: high_watermark 0.85, hit_threshold 0.8,
     wait_poll_sec 5, idle_grace_sec 60, pressure committed, max_wait_sec never (``None``),
     probe_timeout_sec 2, default_max_tokens 256 (the output tokens a turn's working set counts
-    when ``admit``/``acquire`` get no ``max_tokens``). Invalid values raise ``ValueError`` naming
+    when ``admit``/``acquire`` get no ``max_tokens``), idle_engine_turns 4 (while the engine has
+    nothing running or waiting, an idle room may yield after this many of its session's turn
+    times; 0: never early). Invalid values raise ``ValueError`` naming
     the knob and the value; an unknown keyword raises ``TypeError``.
     """
 
@@ -184,13 +186,15 @@ class GateConfig:
         max_wait_sec: float | None = None,
         probe_timeout_sec: float | None = None,
         default_max_tokens: int | None = None,
+        idle_engine_turns: int | None = None,
     ) -> GateConfig: ...
     @staticmethod
     def from_env() -> GateConfig:
         """Defaults overridden by ``SESSION_GATE_HIGH_WATERMARK``, ``SESSION_GATE_HIT_THRESHOLD``,
         ``SESSION_GATE_WAIT_POLL_SEC``, ``SESSION_GATE_IDLE_GRACE_SEC``,
         ``SESSION_GATE_PRESSURE``, ``SESSION_GATE_MAX_WAIT_SEC`` (``none``/``off`` for no limit),
-        ``SESSION_GATE_PROBE_TIMEOUT_SEC`` and ``SESSION_GATE_DEFAULT_MAX_TOKENS``."""
+        ``SESSION_GATE_PROBE_TIMEOUT_SEC``, ``SESSION_GATE_DEFAULT_MAX_TOKENS`` and
+        ``SESSION_GATE_IDLE_ENGINE_TURNS``."""
     @property
     def high_watermark(self) -> float: ...
     @property
@@ -207,6 +211,8 @@ class GateConfig:
     def probe_timeout_sec(self) -> float: ...
     @property
     def default_max_tokens(self) -> int: ...
+    @property
+    def idle_engine_turns(self) -> int: ...
     def to_dict(self) -> dict[str, float | str | None]: ...
     def __eq__(self, other: object, /) -> bool: ...
 

@@ -19,6 +19,7 @@ pub(crate) fn from_gate_config(c: &GateConfig) -> sg_config {
         max_wait_sec: c.max_wait_sec.unwrap_or(0.0),
         probe_timeout_sec: c.probe_timeout_sec,
         default_max_tokens: c.default_max_tokens,
+        idle_engine_turns: c.idle_engine_turns,
     }
 }
 
@@ -44,6 +45,7 @@ pub(crate) fn to_gate_config(c: &sg_config) -> Result<GateConfig, Error> {
         max_wait_sec: c.has_max_wait.then_some(c.max_wait_sec),
         probe_timeout_sec: c.probe_timeout_sec,
         default_max_tokens: c.default_max_tokens,
+        idle_engine_turns: c.idle_engine_turns,
     };
     config.validate()?;
     Ok(config)

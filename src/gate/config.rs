@@ -66,6 +66,10 @@ pub struct GateConfig {
     /// (an `acquire(session_id, prompt_ids)` without it). Passing the turn's real
     /// `max_tokens` makes the working set exact; this is only a guess at it.
     pub default_max_tokens: usize,
+    /// While the engine reports nothing running or waiting, a session's idle room may yield
+    /// to the head of the queue once idle this many of its own mean turn times, with no floor
+    /// (`gate::core`, "An idle engine"); 0 turns it off.
+    pub idle_engine_turns: usize,
 }
 
 impl Default for GateConfig {
@@ -86,6 +90,7 @@ impl GateConfig {
         max_wait_sec: default_of("max_wait_sec").number_or_off(),
         probe_timeout_sec: default_of("probe_timeout_sec").number(),
         default_max_tokens: default_of("default_max_tokens").count(),
+        idle_engine_turns: default_of("idle_engine_turns").count(),
     };
 }
 

@@ -253,6 +253,14 @@ pub const KNOBS: &[Knob] = &[
         home: Home::GateConfig(|c| Slot::Count(&mut c.default_max_tokens)),
     },
     Knob {
+        name: "idle_engine_turns",
+        env: "SESSION_GATE_IDLE_ENGINE_TURNS",
+        rule: Rule::Count,
+        default: Value::Count(4),
+        doc: "While the engine has nothing running or waiting, a session's idle room may yield to the queue's head after this many of its own mean turn times (0: never early).",
+        home: Home::GateConfig(|c| Slot::Count(&mut c.idle_engine_turns)),
+    },
+    Knob {
         name: "lease_ttl_sec",
         env: "SESSION_GATE_LEASE_TTL_SEC",
         rule: Rule::PositiveSeconds,

@@ -103,6 +103,12 @@ pub struct ProxyArgs {
     #[arg(long, value_name = "TOKENS")]
     pub default_max_tokens: Option<usize>,
 
+    /// While a replica has nothing running or waiting, an idle session's room may yield after
+    /// this many of its own turn times; 0 = never early (the gate's idle_engine_turns knob)
+    /// [default: 4].
+    #[arg(long, value_name = "TURNS")]
+    pub idle_engine_turns: Option<usize>,
+
     /// Keep a session's reservation for idle_grace_sec after each turn [default: true].
     #[arg(long, value_name = "BOOL")]
     pub retain_session: Option<bool>,
@@ -184,6 +190,7 @@ struct FileConfig {
     usage_cache_ms: Option<u64>,
     health_interval_sec: Option<f64>,
     default_max_tokens: Option<usize>,
+    idle_engine_turns: Option<usize>,
     retain_session: Option<bool>,
     max_session_labels: Option<usize>,
     max_body_bytes: Option<usize>,
@@ -457,6 +464,7 @@ impl ProxyConfig {
         knob!(idle_grace_sec);
         knob!(probe_timeout_sec);
         knob!(default_max_tokens);
+        knob!(idle_engine_turns);
         if let Some(v) = args.max_wait_sec.or(file.max_wait_sec) {
             gate.max_wait_sec = Some(v);
         }

@@ -82,8 +82,9 @@ async def test_a_lease_carries_the_gates_fields(gate):
 
 async def test_idle_grace_expiry_admits_a_waiter_while_the_engine_is_idle(gate):
     big = await gate.acquire("grace", prompt(2, 1200), 16)  # 38 blocks
-    # A 0.3 s turn: 8 of them (2.4 s) outlast the window, so it never yields to the waiter.
-    await asyncio.sleep(0.3)
+    # A 0.6 s turn: 8 of them, and the 4 after which an idle engine lets it yield (2.4 s),
+    # outlast the window, so it never yields to the waiter.
+    await asyncio.sleep(0.6)
     await big.arelease()  # its reservation stays for idle_grace_sec (2 s)
     started = time.monotonic()
     lease = await gate.acquire("cold-1", prompt(3, 700), 16)  # 23 blocks: 61 > 53.55
@@ -94,6 +95,25 @@ async def test_idle_grace_expiry_admits_a_waiter_while_the_engine_is_idle(gate):
     await lease.arelease()
     assert await gate.finish_session("cold-1")
     assert not await gate.finish_session("grace")  # expired already
+
+
+async def test_an_idle_engine_lets_an_idle_room_go_after_four_of_its_turns(gate):
+    """The book reads vLLM's queues on every usage read: with nothing running or waiting, a
+    session's idle room goes to the waiter once idle four of its turn times (this turn took
+    milliseconds), long before half the 2 s window (the floor while the engine is busy)."""
+    before = await gate.stats()
+    quick = await gate.acquire("quick", prompt(11, 1200), 16)  # 38 blocks
+    await quick.arelease()  # a turn of a few ms; its room stays, idle
+    started = time.monotonic()
+    lease = await gate.acquire("cold-idle", prompt(12, 700), 16)  # 23 blocks: 61 > 53.55
+    waited = time.monotonic() - started
+    assert lease.reason == "open" and waited < 0.9, waited
+    after = await gate.stats()
+    assert after["idle_engine_yields"] == before["idle_engine_yields"] + 1
+    assert after["revocations"] == before["revocations"] + 1
+    await lease.arelease()
+    assert await gate.finish_session("cold-idle")
+    assert not await gate.finish_session("quick")  # its room went to cold-idle
 
 
 async def keep_busy(engine, token_ids: list[int], max_tokens: int) -> None:

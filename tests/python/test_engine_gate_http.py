@@ -47,6 +47,9 @@ GATE_ENV = {
     "SESSION_GATE_WAIT_POLL_SEC": "0.5",
     "SESSION_GATE_MAX_WAIT_SEC": str(MAX_WAIT),
     "SESSION_GATE_IDLE_GRACE_SEC": "300",
+    # These scenarios wait behind idle rooms on an idle engine (max_wait, preemption, one line
+    # across processes): the idle-engine rule would hand those rooms over after a few turns.
+    "SESSION_GATE_IDLE_ENGINE_TURNS": "0",
 }
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
 
 import pytest
 import pytest_asyncio
@@ -77,7 +78,12 @@ async def test_a_full_cache_holds_the_cold_session_and_admits_the_resident_one(e
     gate = SessionGate(
         EngineProbe(engine),
         GateConfig(
-            high_watermark=0.85, wait_poll_sec=30.0, idle_grace_sec=600.0, probe_timeout_sec=10.0
+            high_watermark=0.85,
+            wait_poll_sec=30.0,
+            idle_grace_sec=600.0,
+            probe_timeout_sec=10.0,
+            # The tool sessions' rooms are to outlast this test's waits on an idle engine.
+            idle_engine_turns=0,
         ),
     )
     rng = random.Random(5)
@@ -128,3 +134,25 @@ async def test_a_full_cache_holds_the_cold_session_and_admits_the_resident_one(e
     assert stats["admissions"]["resident_prefix"] == 1
     assert stats["probes"]["prefix"]["failures"] == 0
     assert stats["pending"] == 0
+
+
+async def test_an_idle_engines_counts_reach_the_client_gate_and_free_an_idle_room(engine):
+    """The usage probe carries vLLM's running and waiting counts to a gate in the client: with
+    the engine idle, a session's idle room goes to the waiter after four of its turn times (a
+    few milliseconds here), not after half of the 600 s window."""
+    gate = SessionGate(
+        EngineProbe(engine),
+        GateConfig(wait_poll_sec=30.0, idle_grace_sec=600.0, probe_timeout_sec=10.0),
+    )
+    rng = random.Random(8)
+    async with gate.admit("idle-room", random_prompt(rng, 40 * BLOCK), max_tokens=MAX_TOKENS):
+        pass  # a turn of a few ms: its room stays while idle
+    started = time.monotonic()
+    lease = await asyncio.wait_for(
+        gate.acquire("idle-cold", random_prompt(rng, 20 * BLOCK), MAX_TOKENS), 10.0
+    )
+    assert lease.reason == "open" and time.monotonic() - started < 5.0
+    lease.release()
+    stats = gate.stats()
+    assert (stats["idle_engine_yields"], stats["revocations"]) == (1, 1)
+    assert not gate.has_reservation("idle-room")

@@ -59,6 +59,18 @@ class _Probes:
         #: ``tier_unavailable`` says why).
         self.tier = state.tier
         self.tier_unavailable = state.tier_unavailable
+        #: vLLM's scheduler: the book counts its running and waiting requests.
+        self.scheduler = state.scheduler
+
+    @property
+    def held_in_queue(self) -> tuple[Any, ...]:
+        """What scheduler mode holds in the waiting queue, kept on the probes' state so the
+        usage probe's counts leave it out too."""
+        return self._state.held_in_queue
+
+    @held_in_queue.setter
+    def held_in_queue(self, held: tuple[Any, ...]) -> None:
+        self._state.held_in_queue = held
 
     def tier_usage(self) -> tuple[int, int] | None:
         return self._state.tier_usage()

@@ -2,8 +2,7 @@
 //! the state changes a decision can make: revoking the asking session's reservation, and idle
 //! reservations yielding their room to the head of the queue.
 use super::{
-    Attempt, GONE_AFTER_GAPS, GateCore, Hit, Step, YIELD_AFTER_TURNS,
-    YIELD_AFTER_TURNS_IDLE_ENGINE, YIELD_FLOOR_OF_GRACE,
+    Attempt, GONE_AFTER_GAPS, GateCore, Hit, Step, YIELD_AFTER_TURNS, YIELD_FLOOR_OF_GRACE,
 };
 use crate::gate::config::Pressure;
 use crate::gate::types::Reason;
@@ -185,8 +184,8 @@ impl GateCore {
     /// once idle [`YIELD_AFTER_TURNS`] of its session's mean turn times and
     /// [`YIELD_FLOOR_OF_GRACE`] of `idle_grace_sec`, or sooner, [`GONE_AFTER_GAPS`] times the
     /// recent sessions' 90th-percentile return gap; and, while the engine has nothing to do
-    /// (`engine_idle`), once idle [`YIELD_AFTER_TURNS_IDLE_ENGINE`] of its session's mean turn
-    /// times. `None` if it has no turn time yet.
+    /// (`engine_idle`), once idle `idle_engine_turns` of its session's mean turn times (0:
+    /// never early). `None` if it has no turn time yet.
     pub(super) fn may_yield_at(&self, slot: u32, until: f64, engine_idle: bool) -> Option<f64> {
         let turn = self
             .sessions
@@ -199,8 +198,9 @@ impl GateCore {
         if let Some(gap) = self.gaps.p90() {
             after = after.min(GONE_AFTER_GAPS * gap);
         }
-        if engine_idle {
-            after = after.min(YIELD_AFTER_TURNS_IDLE_ENGINE * turn);
+        let idle_turns = self.cfg.idle_engine_turns;
+        if engine_idle && idle_turns > 0 {
+            after = after.min(idle_turns as f64 * turn);
         }
         Some(until - grace + after)
     }

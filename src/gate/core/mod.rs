@@ -60,7 +60,8 @@
 //! (`num_running_reqs`, `num_waiting_reqs`: vLLM's running list and waiting queue, not
 //! counting requests the engine gate holds back in scheduler mode). When both are 0 the engine
 //! has nothing to do, and an idle reservation may yield to the head of the queue once idle
-//! [`YIELD_AFTER_TURNS_IDLE_ENGINE`] (4) of its session's own mean turn times, with no floor
+//! `idle_engine_turns` (a knob, default 4; 0 turns the rule off) of its session's own mean
+//! turn times, with no floor
 //! (the grace-window floor and the 8 turns above still apply while the engine is busy; they
 //! are counted in `idle_engine_yields` as well as in `revocations`). Why: the rule above prices
 //! a re-prefill at about one turn and waits many turns because a waiter admitted early competes
@@ -161,10 +162,6 @@ use crate::error::{Error, Result};
 pub(crate) const YIELD_AFTER_TURNS: f64 = 8.0;
 /// ... and at least this fraction of `idle_grace_sec` (module docs, as above).
 pub(crate) const YIELD_FLOOR_OF_GRACE: f64 = 0.5;
-/// While the engine has nothing running or waiting, an idle reservation may yield once idle
-/// this many of its session's own mean turn times, with no floor (module docs, "An idle
-/// engine"). Not a knob: chosen on the twin matrix with profiles of two kinds of CPU.
-pub(crate) const YIELD_AFTER_TURNS_IDLE_ENGINE: f64 = 4.0;
 /// Or, sooner, once idle this many times the recent 90th percentile of return gaps: by then
 /// the session is more likely gone than in a tool call (module docs, as above).
 pub(crate) const GONE_AFTER_GAPS: f64 = 2.0;
