@@ -150,6 +150,7 @@ fn env_overrides_replace_every_knob() {
             ("SESSION_GATE_MAX_WAIT_SEC", "120"),
             ("SESSION_GATE_PROBE_TIMEOUT_SEC", "0.5"),
             ("SESSION_GATE_DEFAULT_MAX_TOKENS", "1024"),
+            ("SESSION_GATE_IDLE_ENGINE_TURNS", "0"),
         ]))
         .unwrap();
     assert_eq!(
@@ -163,6 +164,7 @@ fn env_overrides_replace_every_knob() {
             max_wait_sec: Some(120.0),
             probe_timeout_sec: 0.5,
             default_max_tokens: 1024,
+            idle_engine_turns: 0,
         }
     );
 }
