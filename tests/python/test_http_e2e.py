@@ -59,7 +59,10 @@ def vllm_url():
 def proxy_url(vllm_url):
     binary = proxy_binary()
     workdir = Path(tempfile.mkdtemp(prefix="session-gate-proxy-"))
+    # The retry storm waits behind an idle room on an idle engine: the idle-engine rule
+    # (idle_engine_turns) would hand that room over after a few turns.
     extra = ["--idle-grace-sec", "300", "--wait-poll-sec", "0.5", "--health-interval-sec", "1"]
+    extra += ["--idle-engine-turns", "0"]
     proc, url = start_proxy(binary, vllm_url, workdir, extra)
     try:
         yield url
