@@ -11,7 +11,7 @@ impl GateCore {
     /// Steps 1–2 of the tree, once this cycle's usage answer is in.
     pub(super) fn decide_on_usage(&mut self, id: u64, now: f64) -> Step {
         let a = &self.attempts[&id];
-        let (slot, order, usage) = (a.slot, a.order, a.usage);
+        let (slot, order, usage, idle) = (a.slot, a.order, a.usage, a.engine_idle);
         let ws = self.blocks(a.ws_tokens);
         let fifo_ok = self.may_open(order);
         let hw = self.cfg.high_watermark;
@@ -46,7 +46,6 @@ impl GateCore {
                         let older = self.ledger.older_than(age);
                         // Idle rooms that may yield go before a live reservation is revoked:
                         // they are more likely gone than the session asking now.
-                        let idle = self.attempts[&id].engine_idle;
                         let revoke = !keeps(0, older)
                             && !self.yield_idle_until(now, Some((slot, age)), idle, |freed, fo| {
                                 keeps(freed, older - fo)
@@ -84,7 +83,6 @@ impl GateCore {
                         if usage < hw && (committed + ws) as f64 <= line {
                             return Step::Admit(Reason::Open);
                         }
-                        let idle = self.attempts[&id].engine_idle;
                         if usage < hw && self.yield_idle(ws, line, now, idle) {
                             return Step::Admit(Reason::Open);
                         }
