@@ -90,8 +90,9 @@ typedef int32_t sg_status;
 #define SG_WRONG_THREAD 9
 /** The gate was destroyed while this attempt was pending. */
 #define SG_CLOSED 10
-/** For probe callbacks to return: the engine could not answer. The gate then fails open
- * (`prefix_probe_unavailable`) or decides without usage, as the design says. */
+/** For probe callbacks to return: the engine could not answer. A failed prefix probe is a
+ * miss in committed mode (the attempt waits and probes again) and fails open in engine mode
+ * (`prefix_probe_unavailable`); a failed usage probe leaves the decision to the committed set. */
 #define SG_UNAVAILABLE 11
 /** A bug: Rust code panicked. The panic was caught; the message says where. */
 #define SG_PANIC 12
@@ -123,7 +124,8 @@ typedef int32_t sg_reason;
 #define SG_REASON_OPEN 0
 /** Under pressure, but the session owns a reservation. */
 #define SG_REASON_RESERVED_SESSION 1
-/** Under pressure and the prefix probe could not answer: fail open. */
+/** Engine pressure only: under pressure and the prefix probe could not answer, fail open
+ * (committed pressure counts that as a miss and waits). */
 #define SG_REASON_PREFIX_PROBE_UNAVAILABLE 2
 /** Under pressure and the session's prefix is resident (hit_ratio >= hit_threshold). */
 #define SG_REASON_RESIDENT_PREFIX 3
@@ -174,7 +176,8 @@ typedef struct sg_config {
     /** Past this wait an attempt is admitted with reason `max_wait`. >= 0 s, default never
      * (`has_max_wait` false). */
     double max_wait_sec;
-    /** A probe callback that has not answered after this long counts as unavailable.
+    /** A probe callback that has not answered after this long counts as unavailable (a
+     * prefix probe is then a miss, or `prefix_probe_unavailable` with engine pressure).
      * > 0 s, default 2. */
     double probe_timeout_sec;
     /** Output tokens a turn's working set counts when its request says

@@ -352,12 +352,22 @@ fn every_reason_is_reachable_through_the_c_abi() {
     assert_eq!(again.reason(), "reserved_session");
     let resident = gate.acquire("s2", 10, false).unwrap();
     assert_eq!(resident.reason(), "resident_prefix");
-    gate.engine.set(0.9, 0.0, sys::SG_UNAVAILABLE);
-    let blind = gate.acquire("s3", 10, false).unwrap();
-    assert_eq!(blind.reason(), "prefix_probe_unavailable");
-
     let s = gate.stats();
-    assert_eq!(&s.admissions[..4], &[1, 1, 1, 1]);
+    assert_eq!(&s.admissions[..4], &[1, 1, 0, 1]);
+
+    // Only engine pressure fails open when the prefix probe cannot answer.
+    let engine = TestGate::new(sg_config {
+        pressure: sys::SG_PRESSURE_ENGINE,
+        ..config()
+    });
+    engine.engine.set(0.9, 0.0, sys::SG_UNAVAILABLE);
+    let blind = engine.acquire("s3", 10, false).unwrap();
+    assert_eq!(blind.reason(), "prefix_probe_unavailable");
+    let s = engine.stats();
+    assert_eq!(
+        s.admissions[sys::SG_REASON_PREFIX_PROBE_UNAVAILABLE as usize],
+        1
+    );
     assert_eq!(s.probe_failures[sys::SG_PROBE_PREFIX], 1);
 
     let mut bounded = config();
@@ -369,6 +379,10 @@ fn every_reason_is_reachable_through_the_c_abi() {
     let late = gate.acquire("late", 10, false).unwrap();
     assert_eq!(late.reason(), "max_wait");
     assert!(late.info().wait_sec >= 0.05);
+    // Committed pressure: a prefix probe that cannot answer is a miss, so it waits too.
+    gate.engine.set(0.9, 0.0, sys::SG_UNAVAILABLE);
+    let blind = gate.acquire("blind", 10, false).unwrap();
+    assert_eq!(blind.reason(), "max_wait");
 }
 
 #[test]
@@ -482,6 +496,8 @@ fn destroying_the_gate_closes_pending_attempts_and_leases_outlive_it() {
 fn a_slow_prefix_callback_counts_as_unavailable_and_destroy_waits_for_it() {
     let mut gate = TestGate::new(sg_config {
         probe_timeout_sec: 0.1,
+        // Fails open on the timeout, so the acquire returns while the callback still sleeps.
+        pressure: sys::SG_PRESSURE_ENGINE,
         ..config()
     });
     let _holder = gate.acquire("holder", 10, false).unwrap();

@@ -264,7 +264,7 @@ fn a_hit_ratio_below_the_threshold_waits() {
 }
 
 #[test]
-fn prefix_probe_unavailable_admits_when_the_probe_errors() {
+fn an_erroring_prefix_probe_is_a_miss_that_probes_again_next_cycle() {
     let mut c = core();
     turn(&mut c, "big", 80, false, 0.0);
     let id = c.begin("s", tokens(10), 0, false, 0.0);
@@ -275,14 +275,32 @@ fn prefix_probe_unavailable_admits_when_the_probe_errors() {
         usage(0.5),
         Err("engine said unavailable".into()),
     );
+    assert_eq!(run.prefix_probes, 1);
+    assert_eq!(
+        run.waits(),
+        5.0,
+        "committed mode waits instead of failing open"
+    );
+    // The next cycle asks again; an answer that finds the prefix admits it.
+    let run = drive(&mut c, id, 5.0, usage(0.5), hit(0.9));
+    assert_eq!((run.usage_probes, run.prefix_probes), (1, 1));
+    assert_eq!(run.reason(), Reason::ResidentPrefix);
+    assert_eq!(c.stats().admitted(Reason::PrefixProbeUnavailable), 0);
+}
+
+#[test]
+fn engine_mode_fails_open_when_the_prefix_probe_errors() {
+    let mut c = engine_core();
+    let id = c.begin("s", tokens(10), 0, false, 0.0);
+    let run = drive(&mut c, id, 0.0, usage(0.9), Err("no engine half".into()));
     assert_eq!(run.reason(), Reason::PrefixProbeUnavailable);
     assert_eq!(run.admitted().hit_ratio, None);
 }
 
 #[test]
-fn prefix_probe_unavailable_admits_when_the_probe_timed_out() {
+fn a_timed_out_prefix_probe_waits_until_room_frees() {
     let mut c = core();
-    turn(&mut c, "big", 80, false, 0.0);
+    let big = turn(&mut c, "big", 80, false, 0.0);
     let id = c.begin("s", tokens(10), 0, false, 0.0);
     assert_eq!(c.poll(id, 0.0).unwrap(), Action::ProbeUsage);
     c.on_usage(id, usage(0.5), 0.0).unwrap();
@@ -290,14 +308,15 @@ fn prefix_probe_unavailable_admits_when_the_probe_timed_out() {
     c.record_probe(ProbeKind::Prefix, 2.0, false);
     c.on_prefix(id, Err("timed out after 2 s".into()), 2.0)
         .unwrap();
-    match c.poll(id, 2.0).unwrap() {
-        Action::Admit(a) => {
-            assert_eq!(a.reason, Reason::PrefixProbeUnavailable);
-            assert_eq!(a.wait_sec, 2.0);
-        }
-        other => panic!("{other:?}"),
-    }
+    assert!(matches!(c.poll(id, 2.0).unwrap(), Action::Wait { .. }));
     assert_eq!(c.stats().probe(ProbeKind::Prefix).failures, 1);
+    // The slow engine still releases turns: the freed room admits the waiter, probes or not.
+    c.release(lease_of(&big), 3.0);
+    c.finish_session("big", 3.0);
+    let run = drive(&mut c, id, 3.0, usage(0.5), Err("timed out".into()));
+    assert_eq!(run.prefix_probes, 0);
+    assert_eq!(run.reason(), Reason::Open);
+    assert_eq!(run.admitted().wait_sec, 3.0);
 }
 
 #[test]
@@ -306,6 +325,10 @@ fn a_malformed_prefix_report_counts_as_unavailable() {
     turn(&mut c, "big", 80, false, 0.0);
     let id = c.begin("s", tokens(10), 0, false, 0.0);
     let run = drive(&mut c, id, 0.0, usage(0.5), hit(f64::NAN));
+    assert!(matches!(run.action, Action::Wait { .. }), "a miss");
+    let mut c = engine_core();
+    let id = c.begin("s", tokens(10), 0, false, 0.0);
+    let run = drive(&mut c, id, 0.0, usage(0.9), hit(f64::NAN));
     assert_eq!(run.reason(), Reason::PrefixProbeUnavailable);
 }
 

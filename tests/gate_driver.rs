@@ -116,10 +116,37 @@ async fn a_dropped_lease_is_released_and_counted() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_probe_that_raises_admits_with_prefix_probe_unavailable() {
+async fn a_prefix_probe_that_raises_is_a_miss_until_room_frees() {
     let p = probe(0.1);
     let g = gate(&p);
-    let _holder = acquire(&g, "holder", 80, false).await;
+    let holder = acquire(&g, "holder", 80, false).await;
+    p.set_prefix(Behaviour::Fail("no engine half".into()));
+    let waiter = spawn_acquire(&g, "cold", 20, false);
+    settle().await;
+    assert!(
+        !waiter.is_finished(),
+        "committed mode waits instead of failing open"
+    );
+    assert!(g.stats().probe(ProbeKind::Prefix).failures >= 1);
+    drop(holder);
+    let lease = admitted(waiter).await.unwrap();
+    assert_eq!(lease.reason(), Reason::Open);
+}
+
+fn engine_mode(p: &Arc<ScriptedProbe>) -> Gate {
+    gate_with(
+        p,
+        GateConfig {
+            pressure: Pressure::Engine,
+            ..Default::default()
+        },
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_raises_admits_with_prefix_probe_unavailable_in_engine_mode() {
+    let p = probe(0.9);
+    let g = engine_mode(&p);
     p.set_prefix(Behaviour::Fail("no engine half".into()));
     let lease = acquire(&g, "cold", 20, false).await;
     assert_eq!(lease.reason(), Reason::PrefixProbeUnavailable);
@@ -129,9 +156,8 @@ async fn a_probe_that_raises_admits_with_prefix_probe_unavailable() {
 
 #[tokio::test(start_paused = true)]
 async fn a_probe_that_hangs_times_out_and_counts_as_unavailable() {
-    let p = probe(0.1);
-    let g = gate(&p);
-    let _holder = acquire(&g, "holder", 80, false).await;
+    let p = probe(0.9);
+    let g = engine_mode(&p);
     p.set_prefix(Behaviour::Hang);
     let lease = acquire(&g, "cold", 20, false).await;
     assert_eq!(lease.reason(), Reason::PrefixProbeUnavailable);

@@ -20,7 +20,8 @@ pub enum Reason {
     Open,
     /// Under pressure, but the session owns a reservation; no prefix probe was made.
     ReservedSession,
-    /// Under pressure and the prefix probe could not answer: fail open.
+    /// Engine pressure only: under pressure and the prefix probe could not answer, fail open
+    /// (committed mode counts that as a miss and waits).
     PrefixProbeUnavailable,
     /// Under pressure and the session's prefix is resident (`hit_ratio >= hit_threshold`).
     ResidentPrefix,

@@ -133,8 +133,20 @@ std::uint32_t admit_every_reason() {
     expect_reason(resident, SG_REASON_RESIDENT_PREFIX);
     expect(resident.info().has_hit_ratio && resident.info().hit_ratio > 0.9, "hit ratio");
 
+    // The prefix probe cannot answer: committed pressure waits (a miss); engine pressure, the
+    // seed's rule, fails open.
     engine->set(0.9, 0.0, false);
-    Lease blind = gate.acquire("s3", prompt(10), 16);
+    bool waited = false;
+    try {
+        gate.acquire("s3", prompt(10), 16, false, 50ms);
+    } catch (const TimeoutError &) {
+        waited = true;
+    }
+    expect(waited, "an unanswered prefix probe is a miss in committed mode");
+    Config seed = test_config();
+    seed.pressure = SG_PRESSURE_ENGINE;
+    Gate seed_gate(engine, seed);
+    Lease blind = seed_gate.acquire("s3", prompt(10), 16);
     expect_reason(blind, SG_REASON_PREFIX_PROBE_UNAVAILABLE);
     again.release();
     resident.release();
@@ -143,9 +155,11 @@ std::uint32_t admit_every_reason() {
     Stats s = gate.stats();
     expect(s.admissions[SG_REASON_OPEN] == 1 && s.admissions[SG_REASON_RESERVED_SESSION] == 1 &&
                s.admissions[SG_REASON_RESIDENT_PREFIX] == 1 &&
-               s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1 &&
+               s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 0 &&
                s.admissions[SG_REASON_OFFLOADED_PREFIX] == 0,
            "admissions by reason in stats");
+    expect(seed_gate.stats().admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1,
+           "engine pressure fails open");
     expect(gate.prometheus().find("session_gate_admissions_total{reason=\"resident_prefix\"} 1") !=
                std::string::npos,
            "prometheus text");

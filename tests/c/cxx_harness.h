@@ -13,8 +13,9 @@
 namespace session_gate {
 namespace harness {
 
-// Drives one gate through open, reserved_session, resident_prefix, prefix_probe_unavailable,
-// then max_wait on a second gate; returns the number of admissions checked.
+// Drives one gate through open, reserved_session, resident_prefix and a miss on an unanswered
+// prefix probe, prefix_probe_unavailable on an engine-pressure gate, then max_wait on another
+// gate; returns the number of admissions checked.
 std::uint32_t admit_every_reason();
 
 // A turn waits under pressure until another thread releases a lease; returns its wait_sec.

@@ -219,14 +219,22 @@ static void every_reason(void) {
     sg_lease *resident = acquire(gate, "s2", false, SG_REASON_RESIDENT_PREFIX);
     EXPECT_STATUS(sg_lease_get_info(resident, &info), SG_OK);
     CHECK(info.has_hit_ratio && info.hit_ratio == 0.95 && info.has_usage && info.usage == 0.9);
-    /* The prefix probe cannot answer: fail open. */
+    /* The prefix probe cannot answer: committed pressure counts blocks itself, so that is a
+     * miss and the session waits; a timeout cancels it. */
     engine_set(&e, 0.9, 0.0, SG_UNAVAILABLE);
-    sg_lease *blind = acquire(gate, "s3", false, SG_REASON_PREFIX_PROBE_UNAVAILABLE);
+    sg_request dark = request("s3", 10, false);
+    sg_lease *none = NULL;
+    EXPECT_STATUS(sg_gate_acquire(gate, &dark, 50, &none), SG_TIMEOUT);
+    CHECK(none == NULL);
+    /* Engine pressure (the seed's rule) fails open instead. */
+    sg_config seed = test_config();
+    seed.pressure = SG_PRESSURE_ENGINE;
+    sg_gate *seed_gate = make_gate(&e, seed);
+    sg_lease *blind = acquire(seed_gate, "s3", false, SG_REASON_PREFIX_PROBE_UNAVAILABLE);
 
     /* A cold session with nothing resident waits; a timeout cancels it. */
     engine_set(&e, 0.9, 0.0, SG_OK);
     sg_request cold = request("s4", 10, false);
-    sg_lease *none = NULL;
     EXPECT_STATUS(sg_gate_acquire(gate, &cold, 50, &none), SG_TIMEOUT);
     CHECK(none == NULL);
 
@@ -236,6 +244,11 @@ static void every_reason(void) {
     EXPECT_STATUS(sg_lease_destroy(resident), SG_OK);
     /* Destroyed without a release: released for the caller, counted as such. */
     EXPECT_STATUS(sg_lease_destroy(blind), SG_OK);
+    sg_stats seed_stats;
+    EXPECT_STATUS(sg_gate_stats(seed_gate, &seed_stats), SG_OK);
+    CHECK(seed_stats.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1);
+    CHECK(seed_stats.leases_dropped_unreleased == 1);
+    EXPECT_STATUS(sg_gate_destroy(seed_gate), SG_OK);
 
     bool ended = false;
     EXPECT_STATUS(sg_gate_finish_session(gate, "s1", 2, &ended), SG_OK);
@@ -249,12 +262,12 @@ static void every_reason(void) {
     CHECK(s.admissions[SG_REASON_OPEN] == 1);
     CHECK(s.admissions[SG_REASON_RESERVED_SESSION] == 1);
     CHECK(s.admissions[SG_REASON_RESIDENT_PREFIX] == 1);
-    CHECK(s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 1);
+    CHECK(s.admissions[SG_REASON_PREFIX_PROBE_UNAVAILABLE] == 0);
     CHECK(s.admissions[SG_REASON_MAX_WAIT] == 0);
     CHECK(s.admissions[SG_REASON_OFFLOADED_PREFIX] == 0);
-    CHECK(s.attempts == 5 && s.cancellations == 1 && s.leases_active == 0);
-    CHECK(s.leases_released == 3 && s.leases_dropped_unreleased == 1);
-    CHECK(s.sessions_finished == 1 && s.wait_count == 4);
+    CHECK(s.attempts == 5 && s.cancellations == 2 && s.leases_active == 0);
+    CHECK(s.leases_released == 3 && s.leases_dropped_unreleased == 0);
+    CHECK(s.sessions_finished == 1 && s.wait_count == 3);
     CHECK(s.probe_calls[SG_PROBE_FORGET] == 2 && s.probe_failures[SG_PROBE_PREFIX] == 1);
 
     char *text = NULL;
@@ -263,7 +276,7 @@ static void every_reason(void) {
     CHECK(text != NULL && strlen(text) == len);
     CHECK(strstr(text, "session_gate_admissions_total{reason=\"resident_prefix\"} 1\n") != NULL);
     CHECK(strstr(text, "session_gate_admissions_total{reason=\"offloaded_prefix\"} 0\n") != NULL);
-    CHECK(strstr(text, "session_gate_cancellations_total 1\n") != NULL);
+    CHECK(strstr(text, "session_gate_cancellations_total 2\n") != NULL);
     EXPECT_STATUS(sg_string_free(text), SG_OK);
 
     EXPECT_STATUS(sg_gate_destroy(gate), SG_OK);

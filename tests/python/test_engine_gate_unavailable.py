@@ -1,11 +1,14 @@
-"""The engine gate fails open when the engine cannot answer the prefix probe: a real
-``vllm serve`` on CPU with prefix caching off (the probe then answers ``available: false``),
-gating through the middleware with the official ``openai`` client.
+"""The engine gate when the engine cannot answer the prefix probe: a real ``vllm serve`` on CPU
+with prefix caching off (the probe then answers ``available: false``), gating through the
+middleware with the official ``openai`` client. Committed mode counts blocks itself, so a turn
+that does not fit waits for room instead of being admitted blind.
 
 127 usable blocks of 32 tokens; with ``high_watermark`` 0.85 the line is 107.95 blocks.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import pytest
@@ -25,7 +28,7 @@ def url():
         yield base
 
 
-async def test_prefix_probe_unavailable_through_the_middleware(url):
+async def test_an_unanswerable_prefix_probe_waits_through_the_middleware(url):
     from openai import AsyncOpenAI
 
     async with HttpProbe(url) as probe:
@@ -39,16 +42,31 @@ async def test_prefix_probe_unavailable_through_the_middleware(url):
         hog = await gate.acquire("hog-u", word_ids(500, 3136), 64)  # 100 blocks
         assert hog.reason == "open"
         # 13 more blocks do not fit under the line and the engine cannot say what is resident:
-        # the gate fails open instead of holding the turn back.
-        raw = await client.completions.with_raw_response.create(
-            model="tiny", prompt=word_ids(1000, 400), max_tokens=4
+        # a miss, so the turn waits until the hog's room frees.
+        request = asyncio.create_task(
+            client.completions.with_raw_response.create(
+                model="tiny", prompt=word_ids(1000, 400), max_tokens=4
+            )
         )
-        assert raw.headers.get("x-session-gate-reason") == "prefix_probe_unavailable"
-        assert raw.parse().usage.completion_tokens == 4
+        await _until(gate, lambda s: s["waiting"] == 1)
+        assert not request.done()
         await hog.arelease()
+        assert await gate.finish_session("hog-u")
+        raw = await asyncio.wait_for(request, 120)
+        assert raw.headers.get("x-session-gate-reason") == "open"
+        assert raw.parse().usage.completion_tokens == 4
         stats = await gate.stats()
-        assert stats["admissions"]["prefix_probe_unavailable"] == 1
+        assert stats["admissions"]["prefix_probe_unavailable"] == 0
         assert stats["engine_gate"]["tick_errors"] == 0
-        assert await gate.finish_session("hog-u") and await gate.finish_session("mw-cold")
+        assert await gate.finish_session("mw-cold")
     r = httpx.get(f"{url}/session_gate/v1/stats", timeout=30).json()
     assert r["leases_active"] == 0
+
+
+async def _until(gate, condition, timeout: float = 60.0) -> None:
+    """Until the gate's stats satisfy ``condition``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition(await gate.stats()):
+        assert loop.time() < deadline, "the gate's stats never got there"
+        await asyncio.sleep(0.05)

@@ -147,20 +147,33 @@ async def test_reserved_session_reenters_under_pressure_without_a_prefix_probe()
     assert probe.prefix_calls == 0
 
 
-async def test_prefix_probe_that_raises_admits_as_unavailable():
+async def test_prefix_probe_that_raises_is_a_miss_until_room_frees():
     gate, probe = make_gate()
     a = await hold_a(gate)
+    probe.prefix_raises(RuntimeError("engine core died"))
+    task = spawn(gate, "b", 40)
+    # Committed mode counts blocks itself: no answer is a miss, and the turn waits for room.
+    await waiting(gate, 1)
+    assert gate.stats()["probes"]["prefix"]["failures"] == 1
+    a.release()
+    lease = await asyncio.wait_for(task, PROMPT_TIMEOUT)
+    assert lease.reason == "open"
+    assert "engine core died" in lease.probe_error
+    assert gate.stats()["admissions"]["prefix_probe_unavailable"] == 0
+    lease.release()
+
+
+async def test_prefix_probe_that_raises_admits_as_unavailable_in_engine_mode():
+    gate, probe = make_gate(usage=0.9, pressure="engine")
     probe.prefix_raises(RuntimeError("engine core died"))
     async with gate.admit("b", prompt(40), max_tokens=0) as lease:
         assert lease.reason == "prefix_probe_unavailable"
         assert "engine core died" in lease.probe_error
     assert gate.stats()["probes"]["prefix"]["failures"] == 1
-    a.release()
 
 
-async def test_prefix_probe_that_hangs_times_out_and_admits_as_unavailable():
-    gate, probe = make_gate(probe_timeout_sec=0.05)
-    a = await hold_a(gate)
+async def test_prefix_probe_that_hangs_times_out_and_counts_as_unavailable():
+    gate, probe = make_gate(usage=0.9, pressure="engine", probe_timeout_sec=0.05)
     probe.prefix_hangs()
     lease = await asyncio.wait_for(gate.acquire("b", prompt(40), 0), PROMPT_TIMEOUT)
     assert lease.reason == "prefix_probe_unavailable"
@@ -168,35 +181,30 @@ async def test_prefix_probe_that_hangs_times_out_and_admits_as_unavailable():
     assert lease.wait_sec >= 0.05
     assert gate.stats()["probes"]["prefix"]["failures"] == 1
     lease.release()
-    a.release()
 
 
 async def test_prefix_probe_answering_unavailable_admits_with_its_reason():
-    gate, probe = make_gate()
-    a = await hold_a(gate)
+    gate, probe = make_gate(usage=0.9, pressure="engine")
     probe.prefix_unavailable("prefix caching is disabled in this engine")
     async with gate.admit("b", prompt(40), max_tokens=0) as lease:
         assert lease.reason == "prefix_probe_unavailable"
         assert lease.probe_error == "prefix caching is disabled in this engine"
     # The engine answered: not a probe failure.
     assert gate.stats()["probes"]["prefix"]["failures"] == 0
-    a.release()
 
 
 async def test_prefix_answer_missing_a_key_counts_as_unavailable():
-    probe = ScriptedProbe(0.1, num_blocks=100, block_size=BS)
+    probe = ScriptedProbe(0.9, num_blocks=100, block_size=BS)
 
     async def no_ratio(session_id, prompt_ids):
         return {"available": True, "hit_blocks": 1, "hit_tokens": 16, "prompt_tokens": 640}
 
     probe.prefix = no_ratio  # before the gate binds the probe's methods
-    gate = SessionGate(probe, GateConfig(wait_poll_sec=30.0))
-    a = await hold_a(gate)
+    gate = SessionGate(probe, GateConfig(wait_poll_sec=30.0, pressure="engine"))
     async with gate.admit("b", prompt(40), max_tokens=0) as lease:
         assert lease.reason == "prefix_probe_unavailable"
         assert "hit_ratio" in lease.probe_error
     assert gate.stats()["probes"]["prefix"]["failures"] == 1
-    a.release()
 
 
 async def test_resident_prefix_admits_a_session_whose_prefix_is_cached():

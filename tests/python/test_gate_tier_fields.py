@@ -22,9 +22,9 @@ class TierProbe(ScriptedProbe):
         return answer
 
 
-def gate_over(probe: ScriptedProbe) -> SessionGate:
+def gate_over(probe: ScriptedProbe, **knobs) -> SessionGate:
     # A watermark below any usage: every admit with something committed asks the prefix probe.
-    return SessionGate(probe, GateConfig(high_watermark=0.05, wait_poll_sec=0.05))
+    return SessionGate(probe, GateConfig(high_watermark=0.05, wait_poll_sec=0.05, **knobs))
 
 
 @pytest.mark.parametrize(
@@ -76,9 +76,10 @@ async def test_a_bad_tier_figure_is_an_unusable_answer(where, value, message):
         probe.set_usage_answer({**usage_answer(0.5, 100, BS), "offload_num_blocks": value})
     else:
         probe.offloaded = value
-    gate = gate_over(probe)
+    # Engine pressure fails open on an unusable prefix answer (committed pressure would count
+    # it a miss and wait), so the turn comes back with the error that named the field.
+    gate = gate_over(probe, pressure="engine")
     async with gate.admit("a", [7] * (4 * BS), max_tokens=0, retain_session=True):
         async with gate.admit("b", [8] * (4 * BS), max_tokens=0) as lease:
-            # The unusable probe fails open (or the usage probe's failure lets it through).
             assert message in (lease.probe_error or ""), lease.probe_error
     assert gate.stats()["probes"][where]["failures"] >= 1

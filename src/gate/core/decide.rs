@@ -218,7 +218,11 @@ impl GateCore {
         let a = &self.attempts[&id];
         let threshold = self.cfg.hit_threshold;
         match a.hit {
-            Hit::Unavailable => return Step::Admit(Reason::PrefixProbeUnavailable),
+            // Committed mode counts blocks itself: no answer is a miss (module docs, "A probe
+            // that does not answer").
+            Hit::Unavailable if self.cfg.pressure == Pressure::Engine => {
+                return Step::Admit(Reason::PrefixProbeUnavailable);
+            }
             Hit::Ratio(h, _) if h >= threshold && self.fits_whole_cache(a) => {
                 return Step::Admit(Reason::ResidentPrefix);
             }

@@ -22,7 +22,8 @@
 //!    session never waits forever), or when usage < watermark and `committed + ws ≤ line`, or
 //!    when usage < watermark and idle reservations may yield enough room (see "Yielding idle
 //!    room").
-//! 3. Otherwise a prefix probe: unavailable → `prefix_probe_unavailable`; `hit_ratio ≥
+//! 3. Otherwise a prefix probe: unavailable (an error, or no answer within
+//!    `probe_timeout_sec`) → a miss (see "A probe that does not answer"); `hit_ratio ≥
 //!    hit_threshold` and `committed + ws ≤ num_blocks` → `resident_prefix`; else, when the
 //!    engine has a readable host KV tier, `(hit_tokens + offloaded_tokens) ÷ prompt_tokens ≥
 //!    hit_threshold` and `committed + ws ≤ num_blocks` → `offloaded_prefix` (the prefix
@@ -103,6 +104,20 @@
 //! reserved session → `reserved_session`; else the prefix probe as in 3 (no capacity check) and
 //! 4. `open` takes no reservation unless the session already holds one; admissions under
 //! pressure take one when `retain_session` is set; nothing is revoked.
+//!
+//! **A probe that does not answer.** The seed admits a turn whose prefix probe is unavailable
+//! (`prefix_probe_unavailable`, fail open), and engine mode still does: it decides on the probes
+//! alone, and waiting on a dead one could wait forever. Committed mode counts blocks itself, and
+//! room under the line frees as turns release and idle windows end whatever the probes say, so
+//! there an unavailable prefix probe is a miss: the attempt waits (up to `max_wait_sec`) and
+//! probes again next cycle. Why: probes are answered between engine steps, and one times out
+//! when steps run longer than `probe_timeout_sec` (long prefills on a slow CPU), which is when
+//! the cache is under pressure. Admitting those turns blind re-prefilled their contexts and
+//! lengthened the next steps: on a 2-core AVX2 VM `gate` failed open 30 times on `mixed` and
+//! kept 0.64x the ideal hit rate (`docs/lab-notes/scheduler-mode.md`). Probe failures are
+//! counted in the probes' stats (`failures`). A plugin that answers nothing never blocks a turn
+//! either: until a usage report has told the geometry, working sets count 0 blocks, the
+//! committed set stays empty, and every turn is `open`.
 //!
 //! A usage probe that fails leaves the usage unknown: committed mode then decides on the
 //! committed set alone, engine mode assumes pressure. Until a usage report has told the block
