@@ -60,7 +60,8 @@ pub struct GateConfig {
     pub pressure: Pressure,
     /// Past this wait an attempt is admitted with reason `max_wait`; `None` = never.
     pub max_wait_sec: Option<f64>,
-    /// A probe that has not answered after this long counts as unavailable.
+    /// A probe that has not answered after this long counts as unavailable: a prefix probe is
+    /// then a miss (the turn waits and probes again), or a fail-open with engine pressure.
     pub probe_timeout_sec: f64,
     /// Output tokens counted in a turn's working set when the caller gives no `max_tokens`
     /// (an `acquire(session_id, prompt_ids)` without it). Passing the turn's real

@@ -241,7 +241,7 @@ pub const KNOBS: &[Knob] = &[
         env: "SESSION_GATE_PROBE_TIMEOUT_SEC",
         rule: Rule::PositiveSeconds,
         default: Value::Number(2.0),
-        doc: "A probe that has not answered after this long counts as unavailable.",
+        doc: "A probe that has not answered after this long counts as unavailable (a prefix probe: a miss, the turn waits; fails open with engine pressure).",
         home: Home::GateConfig(|c| Slot::Number(&mut c.probe_timeout_sec)),
     },
     Knob {

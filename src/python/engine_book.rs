@@ -109,14 +109,38 @@ struct Queues {
     held: Vec<Py<PyAny>>,
 }
 
+/// Up to this many running requests, [`Queues::counts`] leaves out those already finished.
+const FINISHING_SCAN: usize = 16;
+
 impl Queues {
     /// `(running, waiting)`: `len(scheduler.running)`, and `len(scheduler.waiting)` less the
     /// held requests and `deciding` (the request being decided, when it sits in that queue).
     /// Read each time (vLLM could rebind either attribute); `None` if anything cannot be read,
     /// so a vLLM that changed its scheduler only loses the counts.
+    ///
+    /// Running requests that have finished are left out while there are at most
+    /// [`FINISHING_SCAN`] of them: vLLM frees a finished request (where a bound lease is
+    /// released and the waiters look again) before it takes it off `running`, at the end of
+    /// `update_from_output`. Counted as is, the step that empties the engine would read busy
+    /// at the one moment the waiters look, and they would learn it is idle only at their next
+    /// poll. Above the bound the engine is busy anyway, and the scan would cost a method call
+    /// per request on every usage read.
     fn counts(&self, py: Python<'_>, deciding: usize) -> Option<(u64, u64)> {
         let s = self.scheduler.bind(py);
-        let running = s.getattr(intern!(py, "running")).ok()?.len().ok()?;
+        let running = s.getattr(intern!(py, "running")).ok()?;
+        let mut count = running.len().ok()?;
+        if count <= FINISHING_SCAN {
+            for request in running.try_iter().ok()? {
+                let finished = request
+                    .ok()?
+                    .call_method0(intern!(py, "is_finished"))
+                    .ok()?
+                    .is_truthy()
+                    .ok()?;
+                count -= usize::from(finished);
+            }
+        }
+        let running = count;
         let waiting = s.getattr(intern!(py, "waiting")).ok()?.len().ok()?;
         let mut held = deciding;
         for h in &self.held {

@@ -541,3 +541,34 @@ def test_an_idle_engine_lets_a_held_request_take_an_idle_rooms_place(busy):
         assert gate.look.holding == 0 and look(other) is True
         assert (stats["idle_engine_yields"], stats["revocations"]) == (1, 1)
     driver._book.check_invariants()
+
+
+def test_the_step_that_empties_the_engine_reads_idle_while_it_frees_its_last_request():
+    """vLLM frees a finished request (and so releases its lease, where the waiters look again)
+    before it takes it off ``scheduler.running``: the book's counts leave out running requests
+    that have finished, so the held request learns at that free that the engine is idle, and
+    the idle room yields four turn times later instead of at the next poll (``wait_poll_sec``,
+    5 s)."""
+    scheduler = SimpleNamespace(running=[], waiting=[])
+    driver = NativeDriver(blocks=64, free=64, scheduler=scheduler)
+    gate = SchedulerGate(driver)
+    look = native_look(gate, [True], [])
+    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
+    big.is_finished = lambda: False
+    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
+    scheduler.waiting.append(big)
+    assert look(big) is True
+    scheduler.waiting.remove(big)
+    scheduler.running.append(big)
+    scheduler.waiting.append(other)
+    assert look(other) is False  # held: s1's turn is in flight
+    time.sleep(0.005)
+    big.is_finished = lambda: True
+    gate.free(big)  # vLLM's order: freed while still in `running`...
+    scheduler.running.remove(big)  # ...and taken off it at the end of the step
+    time.sleep(0.1)
+    driver._book.tick(time.monotonic())
+    stats = driver._book.stats()
+    assert gate.look.holding == 0 and look(other) is True
+    assert stats["idle_engine_yields"] == 1
+    driver._book.check_invariants()
