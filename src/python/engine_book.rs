@@ -123,8 +123,8 @@ impl Queues {
     /// released and the waiters look again) before it takes it off `running`, at the end of
     /// `update_from_output`. Counted as is, the step that empties the engine would read busy
     /// at the one moment the waiters look, and they would learn it is idle only at their next
-    /// poll. Above the bound the engine is busy anyway, and the scan would cost a method call
-    /// per request on every usage read.
+    /// poll. Above the bound the count is vLLM's as is: the scan would cost a method call per
+    /// request on every usage read, and a batch that large rarely finishes in one step.
     fn counts(&self, py: Python<'_>, deciding: usize) -> Option<(u64, u64)> {
         let s = self.scheduler.bind(py);
         let running = s.getattr(intern!(py, "running")).ok()?;
