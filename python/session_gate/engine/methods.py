@@ -194,8 +194,11 @@ class EngineState:
 
     def queue_counts(self) -> tuple[int, int] | None:
         """``(running, waiting)`` requests in the engine's scheduler, the waiting ones less
-        those the scheduler mode holds (the engine gate's book reads the same natively), or
-        ``None`` without a scheduler or when this vLLM's cannot be read."""
+        those the scheduler mode holds, or ``None`` without a scheduler or when this vLLM's
+        cannot be read. The utility call is served between engine steps, when vLLM's lists are
+        up to date; the engine gate's book reads the same natively, and also inside vLLM's
+        free of a finished request, so it leaves out finished requests still listed as
+        running (``Queues::counts`` in ``src/python/engine_book.rs``)."""
         scheduler = self.scheduler
         if scheduler is None:
             return None
