@@ -107,40 +107,44 @@ struct Probes<'a, 'py> {
 struct Queues {
     scheduler: Py<PyAny>,
     held: Vec<Py<PyAny>>,
+    /// vLLM's `RequestStatus.RUNNING`, to tell a listed request that has finished (`None`:
+    /// every listed request counts).
+    running_status: Option<Py<PyAny>>,
 }
 
-/// Up to this many running requests, [`Queues::counts`] leaves out those already finished.
-const FINISHING_SCAN: usize = 16;
-
 impl Queues {
-    /// `(running, waiting)`: `len(scheduler.running)`, and `len(scheduler.waiting)` less the
-    /// held requests and `deciding` (the request being decided, when it sits in that queue).
-    /// Read each time (vLLM could rebind either attribute); `None` if anything cannot be read,
-    /// so a vLLM that changed its scheduler only loses the counts.
+    /// `(running, waiting)`: `len(scheduler.running)` (0 when no request in it is still
+    /// running), and `len(scheduler.waiting)` less the held requests and `deciding` (the
+    /// request being decided, when it sits in that queue). Read each time (vLLM could rebind
+    /// either attribute); `None` if anything cannot be read, so a vLLM that changed its
+    /// scheduler only loses the counts.
     ///
-    /// Running requests that have finished are left out while there are at most
-    /// [`FINISHING_SCAN`] of them: vLLM frees a finished request (where a bound lease is
-    /// released and the waiters look again) before it takes it off `running`, at the end of
-    /// `update_from_output`. Counted as is, the step that empties the engine would read busy
-    /// at the one moment the waiters look, and they would learn it is idle only at their next
-    /// poll. Above the bound the count is vLLM's as is: the scan would cost a method call per
-    /// request on every usage read, and a batch that large rarely finishes in one step.
+    /// Why "still running": vLLM frees a finished request (where a bound lease is released
+    /// and the waiters look again) before it takes it off `running`, at the end of
+    /// `update_from_output`. Counted as listed, the step that empties the engine would read
+    /// busy at the one moment the waiters look, and they would learn it is idle only at their
+    /// next poll. The scan stops at the first request whose `status` is `running_status`, so a
+    /// busy engine costs one attribute read per usage read; a step that finishes only some of
+    /// its requests still counts them all, which changes nothing the gate reads (only whether
+    /// both counts are 0).
     fn counts(&self, py: Python<'_>, deciding: usize) -> Option<(u64, u64)> {
         let s = self.scheduler.bind(py);
-        let running = s.getattr(intern!(py, "running")).ok()?;
-        let mut count = running.len().ok()?;
-        if count <= FINISHING_SCAN {
-            for request in running.try_iter().ok()? {
-                let finished = request
-                    .ok()?
-                    .call_method0(intern!(py, "is_finished"))
-                    .ok()?
-                    .is_truthy()
-                    .ok()?;
-                count -= usize::from(finished);
+        let listed = s.getattr(intern!(py, "running")).ok()?;
+        let running = match &self.running_status {
+            Some(status) => {
+                let status = status.bind(py);
+                let mut any = false;
+                for request in listed.try_iter().ok()? {
+                    let request = request.ok()?;
+                    if request.getattr(intern!(py, "status")).ok()?.is(status) {
+                        any = true;
+                        break;
+                    }
+                }
+                if any { listed.len().ok()? } else { 0 }
             }
-        }
-        let running = count;
+            None => listed.len().ok()?,
+        };
         let waiting = s.getattr(intern!(py, "waiting")).ok()?.len().ok()?;
         let mut held = deciding;
         for h in &self.held {
@@ -781,9 +785,10 @@ impl PyEngineGateBook {
     /// timer, `future_cls` (`concurrent.futures.Future`) for deferred answers, and the
     /// engine's vocabulary size and context length for checking prompts; `tier_usage()` for
     /// the host KV tier's figures and vLLM's `scheduler` for the request counts of every usage
-    /// read (the core's idle-engine rule), when there are.
+    /// read (the core's idle-engine rule), when there are, with `running_status` (vLLM's
+    /// `RequestStatus.RUNNING`) to leave out listed requests that have finished.
     #[new]
-    #[pyo3(signature = (config, lease_ttl_sec, block_pool, block_size, vocab_size, max_model_len, prefix, arm, future_cls, tier_usage=None, scheduler=None))]
+    #[pyo3(signature = (config, lease_ttl_sec, block_pool, block_size, vocab_size, max_model_len, prefix, arm, future_cls, tier_usage=None, scheduler=None, running_status=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -798,6 +803,7 @@ impl PyEngineGateBook {
         future_cls: Py<PyAny>,
         tier_usage: Option<Py<PyAny>>,
         scheduler: Option<Py<PyAny>>,
+        running_status: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         no_panic("EngineGateBook()", || {
             let core = GateCore::new(config.inner().clone())?;
@@ -814,6 +820,7 @@ impl PyEngineGateBook {
                 queues: scheduler.map(|scheduler| Queues {
                     scheduler,
                     held: Vec::new(),
+                    running_status,
                 }),
                 deciding_queued: false,
                 arm,

@@ -264,6 +264,8 @@ class Status:
     WAITING = object()
     PREEMPTED = object()
     WAITING_FOR_REMOTE_KVS = object()
+    RUNNING = object()
+    FINISHED_STOPPED = object()
 
 
 def native_look(
@@ -371,6 +373,7 @@ class NativeDriver(Driver):
             vocab_size=1000,
             max_model_len=4096,
             scheduler=scheduler,
+            running_status=Status.RUNNING,
         )
         self._probes = state
 
@@ -554,16 +557,16 @@ def test_the_step_that_empties_the_engine_reads_idle_while_it_frees_its_last_req
     gate = SchedulerGate(driver)
     look = native_look(gate, [True], [])
     big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
-    big.is_finished = lambda: False
     other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
     scheduler.waiting.append(big)
     assert look(big) is True
     scheduler.waiting.remove(big)
+    big.status = Status.RUNNING
     scheduler.running.append(big)
     scheduler.waiting.append(other)
     assert look(other) is False  # held: s1's turn is in flight
     time.sleep(0.005)
-    big.is_finished = lambda: True
+    big.status = Status.FINISHED_STOPPED
     gate.free(big)  # vLLM's order: freed while still in `running`...
     scheduler.running.remove(big)  # ...and taken off it at the end of the step
     time.sleep(0.1)

@@ -78,6 +78,7 @@ def native_book(
         tier_usage=state.tier_usage if getattr(state, "tier", None) is not None else None,
         # The request counts of every usage read (the core's idle-engine rule).
         scheduler=getattr(state, "scheduler", None),
+        running_status=getattr(state, "running_status", None),
     )
 
 

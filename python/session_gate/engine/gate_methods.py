@@ -59,8 +59,10 @@ class _Probes:
         #: ``tier_unavailable`` says why).
         self.tier = state.tier
         self.tier_unavailable = state.tier_unavailable
-        #: vLLM's scheduler: the book counts its running and waiting requests.
+        #: vLLM's scheduler: the book counts its running and waiting requests, leaving out
+        #: listed ones that are no longer in ``running_status``.
         self.scheduler = state.scheduler
+        self.running_status = state.running_status
 
     @property
     def held_in_queue(self) -> tuple[Any, ...]:

@@ -25,7 +25,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from session_gate.engine import host_tier
 from session_gate.engine.host_tier import UNAVAILABLE, HostTier
@@ -69,6 +69,9 @@ class EngineState:
         kvm = kv_cache_manager
         #: vLLM's scheduler, for the usage probe's request counts (``None``: not reported).
         self.scheduler = scheduler
+        #: The status of a request still running: the engine gate's book reads the counts
+        #: inside vLLM's free of a finished request too, and leaves finished ones out.
+        self.running_status = getattr(RequestStatus, "RUNNING", None)
         #: Containers of the requests the engine gate's scheduler mode holds in the waiting
         #: queue (set when it attaches): not work the engine could do, so not counted waiting.
         self.held_in_queue: tuple[Any, ...] = ()
