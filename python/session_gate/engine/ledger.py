@@ -155,12 +155,19 @@ LEDGER: tuple[Patch, ...] = (
         why="a lease bound to the vLLM request it admitted is freed when that request ends or "
         "is aborted (a client gone: vLLM aborts it) with no release call (zero IPC); "
         "_free_request is the one place every finished and aborted request passes "
-        "(update_from_output and finish_requests)",
+        "(update_from_output and finish_requests). The release's usage read counts "
+        "Scheduler.running and Scheduler.waiting (the idle-engine rule); update_from_output "
+        "frees a request before it takes it off running, so running counts 0 when none of its "
+        "requests is still RequestStatus.RUNNING",
         removable_when="vLLM offers a request-finished hook for plugins in the engine core",
         checks=(
             "vllm.v1.core.sched.scheduler:Scheduler._free_request",
             "vllm.v1.core.sched.scheduler:Scheduler.finish_requests",
+            "vllm.v1.core.sched.scheduler:Scheduler#running",
+            "vllm.v1.core.sched.scheduler:Scheduler#waiting",
             "vllm.v1.request:Request#sampling_params",
+            "vllm.v1.request:Request#status",
+            "vllm.v1.request:RequestStatus.RUNNING",
         ),
     ),
     Patch(
