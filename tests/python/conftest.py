@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import random
 import shutil
@@ -182,6 +183,22 @@ def gate_stats(url: str) -> dict:
     r = httpx.get(f"{url}/session_gate/v1/stats", timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+async def eventually(
+    condition, timeout: float = 30.0, what: str = "condition", poll: float = 0.1
+) -> None:
+    """Until ``condition()`` (a plain or an async callable) is true, asking every ``poll``
+    seconds; fails naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        met = condition()
+        if inspect.isawaitable(met):
+            met = await met
+        if met:
+            return
+        assert time.monotonic() < deadline, f"{what} never became true"
+        await asyncio.sleep(poll)
 
 
 def scheduler_settled(url: str) -> dict:

@@ -26,6 +26,7 @@ import httpx
 import pytest
 from conftest import (
     MID_STREAM_SAMPLES,
+    eventually,
     generated_when_idle,
     keep_log,
     proxy_binary,
@@ -92,13 +93,6 @@ def stats(url: str) -> dict:
 
 def tokens(seed: int, n: int) -> list[int]:
     return word_ids(seed, n)
-
-
-async def eventually(condition, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} never became true"
-        await asyncio.sleep(0.1)
 
 
 def client_process(url: str, *args: str) -> subprocess.Popen:
@@ -189,10 +183,10 @@ async def test_a_disconnecting_long_poll_cancels_its_attempt(url):
             poll = asyncio.ensure_future(
                 http.post(f"{url}/session_gate/v1/admit", json=body, timeout=2.0)
             )
-            await eventually(lambda: stats(url)["pending"] == 1, what="the long-poll waiting")
+            await eventually(lambda: stats(url)["pending"] == 1, 20.0, what="the long-poll waiting")
             with pytest.raises(httpx.ReadTimeout):
                 await poll
-        await eventually(lambda: stats(url)["pending"] == 0, what="the attempt cancelled")
+        await eventually(lambda: stats(url)["pending"] == 0, 20.0, what="the attempt cancelled")
         assert stats(url)["cancellations"] == before + 1
         await hog.arelease()
         assert await gate.finish_session("hog-d")
@@ -265,7 +259,7 @@ async def test_every_reason_and_preemption_through_the_middleware(url):
         )
         chunks = [c async for c in stream]
         assert chunks[-1].choices[0].finish_reason == "length"
-        await eventually(lambda: stats(url)["leases_active"] == 0, what="leases released")
+        await eventually(lambda: stats(url)["leases_active"] == 0, 20.0, what="leases released")
         s = stats(url)
         assert s["admissions"]["max_wait"] >= 1 and s["admissions"]["resident_prefix"] >= 1
         assert s["preemptions"] >= 1
@@ -460,7 +454,9 @@ async def test_the_proxy_gates_at_the_engine_shared_with_every_client(url, proxy
     after = stats(url)
     # Admitted by the engine gate: the proxy holds no gate of its own.
     assert after["admissions"]["open"] == before["admissions"]["open"] + 1, (before, after)
-    await eventually(lambda: stats(url)["leases_active"] == 0, what="the proxy's lease released")
+    await eventually(
+        lambda: stats(url)["leases_active"] == 0, 20.0, what="the proxy's lease released"
+    )
     async with HttpGate(url) as gate:
         # Another client of the engine fills it: the proxy's cold session waits for it.
         hog = await gate.acquire("hog-px", tokens(500, 3136), 64)  # 100 blocks
@@ -481,12 +477,12 @@ async def test_the_proxy_gates_at_the_engine_shared_with_every_client(url, proxy
             await session("px-d", timeout=1.0).completions.create(
                 model="tiny", prompt=tokens(3700, 400), max_tokens=4
             )
-        await eventually(lambda: stats(url)["pending"] == 1, what="px-d's attempt cancelled")
+        await eventually(lambda: stats(url)["pending"] == 1, 20.0, what="px-d's attempt cancelled")
         await hog.arelease()
         assert await gate.finish_session("hog-px")
         r = await asyncio.wait_for(second, 30)
         assert r.usage.completion_tokens == 4
-        await eventually(lambda: stats(url)["leases_active"] == 0, what="leases released")
+        await eventually(lambda: stats(url)["leases_active"] == 0, 20.0, what="leases released")
         # /sess/{id}/finish on the proxy ends the window in the engine gate.
         for sid in ("px-a", "px-c"):
             r = httpx.post(f"{proxy_url}/sess/{sid}/finish", timeout=30)

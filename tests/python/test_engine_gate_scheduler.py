@@ -20,7 +20,16 @@ import time
 
 import httpx
 import pytest
-from conftest import ROOT, gate_stats, get_text, metric, scheduler_settled, served_vllm, word_ids
+from conftest import (
+    ROOT,
+    eventually,
+    gate_stats,
+    get_text,
+    metric,
+    scheduler_settled,
+    served_vllm,
+    word_ids,
+)
 from session_gate.engine.metrics_mirror import INTERVAL_SEC
 
 NUM_BLOCKS = 128  # 127 usable
@@ -106,13 +115,6 @@ class Blocker:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-async def eventually(condition, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} never became true"
-        await asyncio.sleep(0.1)
 
 
 def test_header_and_body_ids_are_gated_and_requests_without_one_are_not(url):

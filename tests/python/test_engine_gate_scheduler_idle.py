@@ -18,7 +18,7 @@ import asyncio
 import time
 
 import pytest
-from conftest import gate_stats, scheduler_settled, served_vllm, word_ids
+from conftest import eventually, gate_stats, scheduler_settled, served_vllm, word_ids
 
 ENV = {
     "SESSION_GATE_SCHEDULER": "session-id",
@@ -56,10 +56,12 @@ def test_a_held_request_takes_the_room_of_a_session_whose_turn_emptied_the_engin
     async def scenario() -> tuple[float, float]:
         a = asyncio.create_task(complete(url, "idle-a", 100, 2600, 600))
         # B goes in while A's turn runs, so it is held behind A's room.
-        deadline = time.monotonic() + 120
-        while gate_stats(url)["scheduler"]["leases"] < 1:
-            assert time.monotonic() < deadline, "A's turn was never scheduled"
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: gate_stats(url)["scheduler"]["leases"] >= 1,
+            120.0,
+            "A's turn scheduled",
+            poll=0.02,
+        )
         sent = time.monotonic()
         b = asyncio.create_task(complete(url, "idle-b", 9000, 300, 16))
         await a

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import pytest_asyncio
-from conftest import environ
+from conftest import environ, eventually
 from session_gate.lab.engine.launch import make_async_llm
 from session_gate.probes import pack_token_ids
 from vllm import SamplingParams
@@ -80,13 +80,6 @@ async def blocker(engine) -> int:
     )
     assert answer["status"] == "admitted", answer
     return answer["lease"]
-
-
-async def eventually(condition, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, f"{what} never became true"
-        await asyncio.sleep(0.1)
 
 
 async def test_generate_with_a_session_id_is_gated_and_without_one_is_not(engine):

@@ -510,6 +510,25 @@ def test_a_hold_of_the_native_look_is_answered_through_the_gates_held_not_a_futu
     assert look(other) is True and gate.stats()["leases"] == 1
 
 
+def big_turn_running():
+    """A scheduler gate with the native look over the real book (64 blocks) and a stand-in
+    vLLM scheduler that runs s1's turn of 50 blocks, admitted at its first look: returns
+    ``(scheduler, driver, gate, look, big, other)``, ``other`` being s2's turn of the same
+    size, not yet in any queue."""
+    scheduler = SimpleNamespace(running=[], waiting=[])
+    driver = NativeDriver(blocks=64, free=64, scheduler=scheduler)
+    gate = SchedulerGate(driver)
+    look = native_look(gate, [True], [])
+    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
+    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
+    scheduler.waiting.append(big)
+    assert look(big) is True
+    scheduler.waiting.remove(big)
+    big.status = Status.RUNNING
+    scheduler.running.append(big)
+    return scheduler, driver, gate, look, big, other
+
+
 @pytest.mark.parametrize("busy", [False, True])
 def test_an_idle_engine_lets_a_held_request_take_an_idle_rooms_place(busy):
     """The book counts vLLM's queues on every usage read, less the requests held in the
@@ -517,17 +536,8 @@ def test_an_idle_engine_lets_a_held_request_take_an_idle_rooms_place(busy):
     is idle, and an idle session's room goes to the held request after four of that session's
     turn times (here milliseconds), not half of the 60 s grace window. A waiting request that
     is not held is work: then the room stays."""
-    scheduler = SimpleNamespace(running=[], waiting=[])
-    driver = NativeDriver(blocks=64, free=64, scheduler=scheduler)
-    gate = SchedulerGate(driver)
+    scheduler, driver, gate, look, big, other = big_turn_running()
     assert driver._probes.held_in_queue == (gate._held, gate._queued)
-    look = native_look(gate, [True], [])
-    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
-    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
-    scheduler.waiting.append(big)
-    assert look(big) is True
-    scheduler.waiting.remove(big)
-    scheduler.running.append(big)
     time.sleep(0.005)
     scheduler.running.remove(big)
     gate.free(big)  # a turn of ~5 ms; s1 keeps its room while idle
@@ -552,17 +562,7 @@ def test_the_step_that_empties_the_engine_reads_idle_while_it_frees_its_last_req
     that have finished, so the held request learns at that free that the engine is idle, and
     the idle room yields four turn times later instead of at the next poll (``wait_poll_sec``,
     5 s)."""
-    scheduler = SimpleNamespace(running=[], waiting=[])
-    driver = NativeDriver(blocks=64, free=64, scheduler=scheduler)
-    gate = SchedulerGate(driver)
-    look = native_look(gate, [True], [])
-    big = prompt_request("a", "s1", 16 * 40, max_tokens=16 * 10)  # 50 of 64 blocks
-    other = prompt_request("b", "s2", 16 * 40, max_tokens=16 * 10)
-    scheduler.waiting.append(big)
-    assert look(big) is True
-    scheduler.waiting.remove(big)
-    big.status = Status.RUNNING
-    scheduler.running.append(big)
+    scheduler, driver, gate, look, big, other = big_turn_running()
     scheduler.waiting.append(other)
     assert look(other) is False  # held: s1's turn is in flight
     time.sleep(0.005)

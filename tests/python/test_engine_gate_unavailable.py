@@ -12,7 +12,7 @@ import asyncio
 
 import httpx
 import pytest
-from conftest import served_vllm, word_ids
+from conftest import eventually, gate_stats, served_vllm, word_ids
 from session_gate import HttpGate, HttpProbe
 
 MIDDLEWARE = "session_gate.engine.gate_middleware.SessionGateMiddleware"
@@ -48,7 +48,7 @@ async def test_an_unanswerable_prefix_probe_waits_through_the_middleware(url):
                 model="tiny", prompt=word_ids(1000, 400), max_tokens=4
             )
         )
-        await _until(gate, lambda s: s["waiting"] == 1)
+        await eventually(lambda: gate_stats(url)["waiting"] == 1, 60.0, "the turn waiting")
         assert not request.done()
         await hog.arelease()
         assert await gate.finish_session("hog-u")
@@ -61,12 +61,3 @@ async def test_an_unanswerable_prefix_probe_waits_through_the_middleware(url):
         assert await gate.finish_session("mw-cold")
     r = httpx.get(f"{url}/session_gate/v1/stats", timeout=30).json()
     assert r["leases_active"] == 0
-
-
-async def _until(gate, condition, timeout: float = 60.0) -> None:
-    """Until the gate's stats satisfy ``condition``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition(await gate.stats()):
-        assert loop.time() < deadline, "the gate's stats never got there"
-        await asyncio.sleep(0.05)
