@@ -207,10 +207,10 @@ sim-fleet: setup
 		--out sim-fleet.json
 
 # The twin (cpu-tiny) against the real CPU engine, same workloads and modes; last line JSON.
-# Calibrates first when no cpu-tiny fit of this machine exists (the shipped one does not know
-# its machine), as sim-calibrate does; a profile from other hardware is never compared.
+# Fits cpu-tiny on this machine first, every time (as sim-calibrate does, ~1 min: a VM's speed
+# drifts over hours), then three rounds of the real bench compared by their means.
 sim-fidelity: setup
-	$(PY) -m session_gate.lab.sim.fidelity --calibrate
+	$(PY) -m session_gate.lab.sim.fidelity --refit --repeats 3
 
 # The twin's speed: 1,000 sessions x 30 turns on a 126,000-block cache; last line JSON.
 bench-sim: setup

@@ -187,6 +187,44 @@ def test_fidelity_averages_a_mode_measured_in_several_real_files(tmp_path):
     assert "2: 0.290-0.330" in fidelity.table("default", c)
 
 
+def test_fidelity_repeats_rounds_and_keeps_every_run(tmp_path, monkeypatch):
+    """``--repeats 3`` runs three rounds of the real bench, each starting at another mode,
+    compares by the mean, and writes every run to ``--real-out``, which ``--real-json`` reads
+    back to the same means (the real bench is stood in for: its rounds are pure bookkeeping)."""
+    from session_gate.lab.bench import __main__ as bench
+
+    orders, spans = [], iter([10.0, 20.0, 30.0, 12.0, 22.0, 32.0])
+
+    async def fake_run(ns):
+        orders.append([m.name for m in ns.mode_list])
+        by_mode = {}
+        for m in ns.mode_list:
+            by_mode[m.name] = {
+                "mode": m.name,
+                "hit_rate": 0.5,
+                "prefill_tokens": 100,
+                "makespan_sec": next(spans),
+            }
+        return {"default": [by_mode[m] for m in ("none", "gate")]}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    out = tmp_path / "real.json"
+    args = fidelity.parse_args(
+        ["--workload", "default", "--modes", "none,gate", "--repeats", "3", "--real-out", str(out)]
+    )
+    real = fidelity.real_results(args)
+    assert orders == [["none", "gate"], ["gate", "none"], ["none", "gate"]]
+    none, gate = real["default"]
+    assert none["runs"] == gate["runs"] == 3
+    # Spans are handed out in run order, and round 2 ran gate first: none 10, 12, 22.
+    assert none["makespan_range"] == [10.0, 22.0] and gate["makespan_range"] == [20.0, 32.0]
+    assert none["makespan_sec"] == pytest.approx(44.0 / 3)
+    again = fidelity.real_results(fidelity.parse_args(["--real-json", str(out)]))
+    assert again == real
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--repeats", "0"])
+
+
 def test_parallel_runs_give_the_same_results_in_the_same_order(tmp_path, capsys):
     """``--jobs 2`` runs modes at once; each run is deterministic, so results and output order
     are those of ``--jobs 1`` (only the runs' own wall-clock seconds differ)."""

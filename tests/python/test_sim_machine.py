@@ -123,6 +123,27 @@ def test_a_machine_local_fit_of_this_machine_is_used_and_one_of_another_is_not(c
     assert fidelity.resolve_profile(str(local), here) == (str(local), [])
 
 
+def test_refit_fits_the_builtin_profile_here_even_when_a_fit_exists(cache, monkeypatch):
+    """``--refit`` (make sim-fidelity) always fits first: a VM's speed drifts over hours.
+    The calibration itself is stood in for (it starts an engine); what is checked is that it
+    is asked for, for the right profile, and that its fit is the one compared."""
+    from session_gate.lab.sim import calibrate as calibration
+
+    here = machines.this_machine()
+    cache.mkdir(parents=True)
+    local = write_profile(cache / "cpu-tiny.toml", here)
+    asked = []
+    monkeypatch.setattr(calibration, "main", lambda argv: asked.append(argv))
+    assert fidelity.resolve_profile("cpu-tiny", here) == (str(local), [])
+    assert asked == []
+    assert fidelity.resolve_profile("cpu-tiny", here, refit=True) == (str(local), [])
+    assert asked == [["--machine-local", "--name", "cpu-tiny"]]
+    with pytest.raises(SystemExit, match="--refit fits a built-in profile"):
+        fidelity.resolve_profile(str(local), here, refit=True)
+    with pytest.raises(SystemExit):
+        fidelity.parse_args(["--refit", "--real-json", str(DOCS / "real-default-none.json")])
+
+
 def test_real_results_from_another_machine_need_a_profile_fitted_there(tmp_path, cache, capsys):
     here = machines.this_machine()
     profile = write_profile(tmp_path / "mine.toml", here)

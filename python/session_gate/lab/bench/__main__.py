@@ -109,6 +109,23 @@ async def run(args: argparse.Namespace, results: list[Any] | None = None) -> dic
     return by_workload
 
 
+def run_rounds(
+    workloads: list[Workload], modes: list[Any], seed: int, repeats: int
+) -> list[dict[str, Any]]:
+    """``repeats`` rounds of :func:`run` (every workload in every mode), one result per round.
+    Round ``r`` starts at the ``r``-th mode (the list rotated), so no mode always runs first
+    after an engine start or last in a round."""
+    rounds = []
+    for r in range(repeats):
+        shift = r % len(modes)
+        rotated = modes[shift:] + modes[:shift]
+        ns = argparse.Namespace(workloads=workloads, mode_list=rotated, seed=seed)
+        if repeats > 1:
+            print(f"real engine: round {r + 1} of {repeats}", flush=True)
+        rounds.append(asyncio.run(run(ns)))
+    return rounds
+
+
 #: The engine setting each scheduler mode needs.
 SCHEDULER_SETTINGS = {"sched": "session-id", "sched-nofinish": "session-id", "sched-infer": "infer"}
 

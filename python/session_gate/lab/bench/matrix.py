@@ -18,7 +18,6 @@ regret and over_limit, and the issues' targets.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -261,25 +260,15 @@ def sched_targets(matrix: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any
 
 
 def run_real(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """``--repeats`` rounds of every real mode on every real workload, merged by medians.
-
-    Round ``r`` starts at the ``r``-th mode (the list rotated), so no mode always runs first
-    after an engine start or last in a round."""
-    from session_gate.lab.bench.__main__ import run
+    """``--repeats`` rounds of every real mode on every real workload (each round starting at
+    another mode), merged by medians."""
+    from session_gate.lab.bench.__main__ import run_rounds
 
     names = [w for w in args.real_workloads.split(",") if w]
     if not names:
         return {}
-    order = modes(args.real_modes)
-    rounds = []
-    for r in range(args.repeats):
-        shift = r % len(order)
-        rotated = order[shift:] + order[:shift]
-        chosen = [workloads.WORKLOADS[n](args.seed) for n in names]
-        ns = argparse.Namespace(workloads=chosen, mode_list=rotated, seed=args.seed)
-        if args.repeats > 1:
-            print(f"real engine: round {r + 1} of {args.repeats}", flush=True)
-        rounds.append(asyncio.run(run(ns)))
+    chosen = [workloads.WORKLOADS[n](args.seed) for n in names]
+    rounds = run_rounds(chosen, modes(args.real_modes), args.seed, args.repeats)
     return median_rounds(rounds)
 
 

@@ -3,22 +3,23 @@ CPU engine on the same workloads and modes.
 
 Runs the real thrash benchmark (``session_gate.lab.bench``'s own machinery: one CPU vLLM engine
 per engine length, the ``default``, ``mixed`` and ``unshared`` workloads, modes none, cap4,
-cap8, seed, aimd, pause, gate) — or reads results files the bench wrote (``--real-json``; a mode
-measured in several files is compared by its mean, since the real engine's hit rate and makespan
-vary run to run) — then the twin on the ``cpu-tiny`` profile with the same workloads, modes and
-seed, and prints per mode: the hit-rate error (absolute), the prefill-token error (%), the error
-of the makespan ratio to ``none`` (%), and whether the modes come out in the same order by
-makespan. The last line is JSON with the largest errors and whether issue 9's targets hold (hit
-rate within 0.03, prefill tokens within 10%, makespan ratio to ``none`` within 15%, same
-ordering).
+cap8, seed, aimd, pause, gate; ``--repeats N`` rounds of it) — or reads results files the bench
+wrote (``--real-json``) — then the twin on the ``cpu-tiny`` profile with the same workloads,
+modes and seed. A mode measured more than once is compared by its mean, since the real engine's
+hit rate and makespan vary run to run. It prints per mode: the hit-rate error (absolute), the
+prefill-token error (%), the error of the makespan ratio to ``none`` (%), and whether the modes
+come out in the same order by makespan. The last line is JSON with the largest errors and
+whether issue 9's targets hold (hit rate within 0.03, prefill tokens within 10%, makespan ratio
+to ``none`` within 15%, same ordering).
 
 The twin's step times are the profile's machine's, so it calibrates first: a profile fitted on
 other hardware (its ``[machine]`` table against this machine, ``session_gate.lab.sim.machine``;
 the shipped ``cpu-tiny`` does not know its machine) is refused with the command that fits one
 here, unless a profile fitted on this machine sits in the machine-local cache
 (``~/.cache/session-gate/profiles/``, written by ``make sim-calibrate``), which is then used.
-``--calibrate`` (``make sim-fidelity``) runs that calibration when there is none;
-``--other-hardware`` compares anyway, the result marked so. With ``--real-json`` the real
+``--calibrate`` runs that calibration when there is none, ``--refit`` (``make sim-fidelity``)
+every time, before the real runs (a VM's speed drifts over hours); ``--other-hardware``
+compares anyway, the result marked so. With ``--real-json`` the real
 results' own machine (``machine_identity``, when the files record it) is the one that must match.
 
 ``--step-log FILE`` (with a real run) also records vLLM's own per-step stats of the real engine
@@ -29,7 +30,6 @@ tokens, KV usage, prefix hits, and the client's time), to explain a makespan gap
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "fit one first (python -m session_gate.lab.sim.calibrate --machine-local; minutes)",
     )
     p.add_argument(
+        "--refit",
+        action="store_true",
+        help="fit this machine's profile now, before the real runs, even when a fit exists "
+        "(make sim-fidelity does: a VM's speed drifts over hours, and a fit from the morning "
+        "put the afternoon's makespan ratios about 10%% low); needs a real run, not --real-json",
+    )
+    p.add_argument(
         "--other-hardware",
         action="store_true",
         help="compare even with a profile fitted on other hardware (the errors then include "
@@ -79,7 +86,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "of any workloads; a mode measured in several files is compared by its mean, and the "
         "real runs' spread is printed)",
     )
-    p.add_argument("--real-out", default="sim-fidelity-real.json")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="when running the real bench: rounds of every mode (each round starting at "
+        "another mode), compared by their mean; one run's makespan carries the machine's "
+        "run-to-run drift (default 1; make sim-fidelity runs 3)",
+    )
+    p.add_argument(
+        "--real-out",
+        default="sim-fidelity-real.json",
+        help="where the real runs go (every round's; --real-json reads the file back)",
+    )
     p.add_argument("--out", default="sim-fidelity.json")
     p.add_argument(
         "--step-log",
@@ -97,6 +116,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.workloads = run_flags.workloads_of(args, WORKLOADS, trace_profile_shape=True)
     except (ValueError, OSError) as exc:
         p.error(str(exc))
+    if args.refit and args.real_json:
+        p.error("--refit fits this hour's machine: it needs a real run, not --real-json")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if "none" not in {m.name for m in args.mode_list}:
         p.error("the modes must include none (makespans are compared as ratios to it)")
     return args
@@ -135,18 +158,29 @@ def resolve_profile(
     *,
     calibrate: bool = False,
     other_hardware: bool = False,
+    refit: bool = False,
 ) -> tuple[str, list[str]]:
     """The profile to compare with a real engine on ``real_machine``, and how its machine
     differs (empty: the same hardware). A built-in profile's machine-local fit is preferred
     when it matches; a profile fitted elsewhere is refused (:class:`OtherHardware`), or first
-    re-fitted here with ``calibrate``, or kept with ``other_hardware``."""
-    diffs = machines.differences(machines.profile_machine(_profile_text(profile)), real_machine)
-    if not diffs:
-        return profile, []
+    re-fitted here with ``calibrate``, or kept with ``other_hardware``. ``refit`` fits a
+    built-in profile's machine-local fit now, whatever fit exists (the real engine is about
+    to run here)."""
     from session_gate import _native
 
     builtin = profile in _native.sim_profile_names()
     local = machines.local_profile(profile) if builtin else None
+    if refit:
+        if local is None:
+            names = ", ".join(_native.sim_profile_names())
+            raise SystemExit(
+                f"sim-fidelity: --refit fits a built-in profile ({names}), not {profile}; "
+                "fit a TOML with python -m session_gate.lab.sim.calibrate --out FILE"
+            )
+        return _fit_here(profile, local, "--refit: a fit of this hour"), []
+    diffs = machines.differences(machines.profile_machine(_profile_text(profile)), real_machine)
+    if not diffs:
+        return profile, []
     if local is not None and local.is_file():
         local_diffs = machines.differences(
             machines.profile_machine(local.read_text()), real_machine
@@ -158,12 +192,18 @@ def resolve_profile(
     if other_hardware:
         return profile, diffs
     if calibrate and local is not None and real_machine == machines.this_machine():
-        from session_gate.lab.sim import calibrate as calibration
-
-        print(f"{profile} was fitted on other hardware ({'; '.join(diffs)}): calibrating here")
-        calibration.main(["--machine-local", "--name", profile])
-        return str(local), []
+        why = f"{profile} was fitted on other hardware ({'; '.join(diffs)})"
+        return _fit_here(profile, local, why), []
     raise OtherHardware(refusal(profile, diffs))
+
+
+def _fit_here(profile: str, local: Path, why: str) -> str:
+    """Fits built-in ``profile`` on this machine into ``local`` and returns its path."""
+    from session_gate.lab.sim import calibrate as calibration
+
+    print(f"{why}: calibrating here", flush=True)
+    calibration.main(["--machine-local", "--name", profile])
+    return str(local)
 
 
 def real_machine(args: argparse.Namespace) -> dict[str, Any]:
@@ -185,28 +225,48 @@ def real_machine(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def real_results(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """One summary per workload and mode: the mean over every real run of it (the
+    ``--real-json`` files, or ``--repeats`` rounds of the real bench, all of whose runs are
+    written to ``--real-out``, a file ``--real-json`` reads back)."""
     if args.real_json:
-        runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        results = []
         for path in args.real_json:
             with open(path) as f:
-                for workload, summaries in json.load(f)["workloads"].items():
-                    for s in summaries:
-                        runs.setdefault(workload, {}).setdefault(s["mode"], []).append(s)
-        return {w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()}
+                results.append(json.load(f)["workloads"])
+        return merge_runs(results)
     from session_gate.lab.bench import __main__ as bench
 
     # The real bench runs what this command parsed: the same workloads, modes and seed.
+    def rounds() -> list[dict[str, Any]]:
+        return bench.run_rounds(args.workloads, args.mode_list, args.seed, args.repeats)
+
     if args.step_log:
         with _step_logging(bench) as log:
-            by_workload = asyncio.run(bench.run(args))
+            results = rounds()
         with open(args.step_log, "w") as f:
             json.dump(log.rows, f)
     else:
-        by_workload = asyncio.run(bench.run(args))
+        results = rounds()
+    every_run: dict[str, list[dict[str, Any]]] = {}
+    for by_workload in results:
+        for workload, summaries in by_workload.items():
+            every_run.setdefault(workload, []).extend(summaries)
     with open(args.real_out, "w") as f:
         out = {"seed": args.seed, "machine_identity": machines.this_machine()}
-        json.dump({**out, "workloads": by_workload}, f, indent=2)
-    return by_workload
+        json.dump({**out, "workloads": every_run}, f, indent=2)
+    return merge_runs(results)
+
+
+def merge_runs(results: list[dict[str, list[dict[str, Any]]]]) -> dict[str, list[dict[str, Any]]]:
+    """Real results (each by workload: a list of mode summaries, a mode possibly more than
+    once) merged into one summary per workload and mode, in first-seen order
+    (:func:`mean_of_runs`)."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for by_workload in results:
+        for workload, summaries in by_workload.items():
+            for s in summaries:
+                runs.setdefault(workload, {}).setdefault(s["mode"], []).append(s)
+    return {w: [mean_of_runs(rs) for rs in by_mode.values()] for w, by_mode in runs.items()}
 
 
 def mean_of_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -339,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         real_machine(args),
         calibrate=args.calibrate,
         other_hardware=args.other_hardware,
+        refit=args.refit,
     )
     if diffs:
         print(f"WARNING: {args.profile} was fitted on other hardware: {'; '.join(diffs)}")
