@@ -4,8 +4,10 @@ a smaller cap than the twin gives it (issue 29). ``unshared`` is that case's sha
 
 from __future__ import annotations
 
+import os
 import statistics
 
+import pytest
 from session_gate.lab.bench.__main__ import engine_fits
 from session_gate.lab.sim import fidelity
 from session_gate.workloads import EngineShape, mixed_workload, unshared_workload
@@ -50,3 +52,19 @@ def test_fidelity_runs_unshared_after_mixed_by_default():
     assert names == ["default", "mixed", "unshared"]
     only = fidelity.parse_args(["--workload", "default"])
     assert [w.name for w in only.workloads] == ["default"]
+
+
+def test_env_while_restores_what_was_there(monkeypatch):
+    """The setting an engine start reads is scoped to it: set inside, the old value (or its
+    absence) back after, also when the start raises."""
+    from session_gate.lab.engine.launch import env_while
+
+    key = "SESSION_GATE_TEST_ENV_WHILE"
+    monkeypatch.delenv(key, raising=False)
+    with env_while(key, "0"):
+        assert os.environ[key] == "0"
+    assert key not in os.environ
+    monkeypatch.setenv(key, "1")
+    with pytest.raises(RuntimeError), env_while(key, "0"):
+        raise RuntimeError("vLLM refused the engine")
+    assert os.environ[key] == "1"

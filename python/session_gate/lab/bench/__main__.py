@@ -14,12 +14,12 @@ import json
 import os
 import platform
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from session_gate import report, run_flags
 from session_gate.lab.bench import infer_audit
 from session_gate.lab.bench.runner import run_mode
+from session_gate.lab.engine import launch
 from session_gate.lab.sim.machine import this_machine
 from session_gate.modes import DEFAULT_MODES
 from session_gate.workloads import WORKLOADS, Workload
@@ -130,19 +130,9 @@ def run_rounds(
 SCHEDULER_SETTINGS = {"sched": "session-id", "sched-nofinish": "session-id", "sched-infer": "infer"}
 
 
-@contextlib.contextmanager
-def _scheduler_env(setting: str | None) -> Iterator[None]:
+def _scheduler_env(setting: str | None) -> contextlib.AbstractContextManager[None]:
     """``SESSION_GATE_SCHEDULER`` while an engine starts (its engine core process reads it)."""
-    key = "SESSION_GATE_SCHEDULER"
-    old = os.environ.get(key)
-    os.environ[key] = setting or "off"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
+    return launch.env_while("SESSION_GATE_SCHEDULER", setting or "off")
 
 
 async def _scheduler_stats(llm: Any) -> dict[str, Any]:

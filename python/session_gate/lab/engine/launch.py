@@ -7,9 +7,11 @@ Scripts that start an engine need the ``if __name__ == "__main__":`` guard (mult
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 TINY_VOCAB = 4096
@@ -32,6 +34,22 @@ TINY_LLAMA_CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
+
+
+@contextlib.contextmanager
+def env_while(key: str, value: str) -> Iterator[None]:
+    """``key=value`` in this process's environment inside the block, the old value (or none)
+    restored after: for settings vLLM reads when an engine starts, which must not leak into
+    the engines started after it in the same process."""
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def write_tiny_model(directory: str | None = None) -> str:

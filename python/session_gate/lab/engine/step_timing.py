@@ -19,7 +19,6 @@ Used by ``python -m session_gate.lab.sim.calibrate``; an engine is started and s
 from __future__ import annotations
 
 import gc
-import os
 import random
 import time
 from collections.abc import Iterable
@@ -217,11 +216,16 @@ def time_steps(
     (``engine_spec``, default the bench's tiny one); returns every step and the engine's record.
     A request longer than the engine's ``max_model_len`` is left out (a scenario's, or a replayed
     session's remaining turns)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    from session_gate.lab.engine.launch import env_while
+
     try:
-        llm = LLM(**(engine_spec or EngineSpec()).engine_kwargs())
+        # The engine core in this process, to time its steps; only for this engine: a bench
+        # run after a calibration in the same process (sim-fidelity --refit) must get the
+        # bench's own engine, whose core runs in a process of its own.
+        with env_while("VLLM_ENABLE_V1_MULTIPROCESSING", "0"):
+            llm = LLM(**(engine_spec or EngineSpec()).engine_kwargs())
     except (ValueError, TypeError, RuntimeError) as exc:
         # Pydantic's validation errors are ValueErrors; a KV cache that does not fit is a
         # ValueError or a RuntimeError (out of memory).
