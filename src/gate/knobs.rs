@@ -277,6 +277,17 @@ pub const KNOBS: &[Knob] = &[
         home: Home::EngineCore,
     },
     Knob {
+        name: "finished_blocks",
+        env: "SESSION_GATE_FINISHED_BLOCKS",
+        rule: Rule::OneOf {
+            names: &["first", "lru"],
+            why: "expected \"first\" or \"lru\"",
+        },
+        default: Value::Name("first"),
+        doc: "Engine gate: where a finished session's own blocks go in vLLM's free queue: first (evicted before any idle session's) or lru (vLLM's order).",
+        home: Home::EngineCore,
+    },
+    Knob {
         name: "scheduler",
         env: "SESSION_GATE_SCHEDULER",
         rule: Rule::OneOf {

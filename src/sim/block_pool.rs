@@ -297,6 +297,29 @@ impl BlockPool {
         }
     }
 
+    /// A finished session's blocks go first (`finished_blocks` in the engine): the free cached
+    /// block of each hash in `deepest_first` leaves its place in the queue and joins the front
+    /// run, in that order (`FreeKVCacheBlockQueue.remove`, then `prepend_n`). Blocks in use
+    /// and hashes no longer cached are skipped; returns how many moved.
+    pub fn evict_first(&mut self, deepest_first: impl IntoIterator<Item = BlockHash>) -> u32 {
+        let mut cursor = self.head;
+        let mut moved = 0;
+        for hash in deepest_first {
+            let Some(b) = self.cached_block(hash) else {
+                continue;
+            };
+            if b == 0 || self.blocks[b as usize].ref_cnt != 0 {
+                continue;
+            }
+            self.unlink(b);
+            self.link_after(cursor, b);
+            self.num_cached_free += 1;
+            cursor = b;
+            moved += 1;
+        }
+        moved
+    }
+
     /// Caches `block` (full, owned by a request) under `hash`: `_insert_block_hash` for a block
     /// with no hash yet. A block that already carries this hash is left alone.
     pub fn cache_block(&mut self, block: BlockId, hash: BlockHash) {
@@ -394,6 +417,34 @@ mod tests {
         assert_eq!(pool.free_queue(), vec![1, 2, 3, 4]);
         assert_eq!(pool.num_free_blocks(), 4);
         assert_eq!(pool.usage(), 0.0);
+    }
+
+    #[test]
+    fn evict_first_moves_free_cached_blocks_to_the_front_deepest_first() {
+        let mut pool = BlockPool::new(8);
+        let mut got = Vec::new();
+        pool.get_new_blocks(5, &mut got).unwrap();
+        assert_eq!(got, vec![1, 2, 3, 4, 5]);
+        for (b, h) in [(1, 10), (2, 11), (3, 12), (4, 20)] {
+            pool.cache_block(b, h);
+        }
+        // Block 4 (hash 20) is freed first, then 3, 2, 1 (tail first), block 5 stays in use.
+        pool.free_blocks([4]);
+        pool.free_blocks([3, 2, 1]);
+        assert_eq!(pool.free_queue(), vec![6, 7, 4, 3, 2, 1]);
+        // Hashes 12 and 11 (deepest first), 99 (not cached) and block 5 (in use) are skipped.
+        pool.cache_block(5, 30);
+        assert_eq!(pool.evict_first([12, 11, 99, 30]), 2);
+        assert_eq!(pool.free_queue(), vec![3, 2, 6, 7, 4, 1]);
+        assert_eq!(pool.num_free_blocks(), 6);
+        assert_eq!(pool.num_cached_free_blocks(), 4);
+        // Still cached: a hit before vLLM needs the blocks finds them.
+        assert_eq!(pool.cached_block(12), Some(3));
+        let mut next = Vec::new();
+        pool.get_new_blocks(2, &mut next).unwrap();
+        assert_eq!(next, vec![3, 2]);
+        assert_eq!(pool.cached_block(12), None);
+        assert_eq!(pool.num_cached_free_blocks(), 2);
     }
 
     #[test]

@@ -151,6 +151,7 @@ pub fn simulate(
         lost: LostWork::default(),
         stepping: false,
         async_scheduling,
+        finished_first: super::finished_blocks_first()?,
     };
     sim.run(mode)?;
     Ok(SimOutput {
@@ -220,6 +221,8 @@ struct Sim {
     stepping: bool,
     /// The profile's `async_scheduling`: whether probes see the next step scheduled.
     async_scheduling: bool,
+    /// Whether a finished session's blocks go first (`SESSION_GATE_FINISHED_BLOCKS`).
+    finished_first: bool,
 }
 
 impl Sim {
@@ -380,6 +383,12 @@ impl Sim {
                 self.replica.add_request(request)?;
             }
             Command::Cancel(s) => self.cancel(s)?,
+            Command::EvictFirst(s) => {
+                if self.finished_first {
+                    let (hashes, keep) = self.clients[s].history_blocks();
+                    self.replica.evict_first(hashes, keep);
+                }
+            }
         }
         Ok(())
     }

@@ -223,6 +223,7 @@ pub fn simulate_fleet(
         lost_at: None,
         resent: 0,
         dirty: false,
+        finished_first: super::finished_blocks_first()?,
     };
     sim.run()?;
     let placement = sim.placement_stats();
@@ -262,6 +263,8 @@ struct Fleet {
     events: Events,
     block_size: u32,
     async_scheduling: bool,
+    /// Whether a finished session's blocks go first (`SESSION_GATE_FINISHED_BLOCKS`).
+    finished_first: bool,
     aimd: bool,
     now: f64,
     notes: VecDeque<(usize, Note)>,
@@ -526,6 +529,12 @@ impl Fleet {
                 }
                 self.reset_episode(s)?;
                 self.set_waiting(s, Some(r));
+            }
+            Command::EvictFirst(s) => {
+                if self.finished_first {
+                    let (hashes, keep) = self.clients[s].history_blocks();
+                    self.slots[r].replica.evict_first(hashes, keep);
+                }
             }
         }
         Ok(())

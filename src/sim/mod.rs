@@ -48,6 +48,14 @@ pub mod replica;
 pub mod scheduler;
 
 pub use cost::{CostModel, EngineRecord, MachineRecord, StepWork};
+
+/// Whether a finished session's blocks are evicted first (`SESSION_GATE_FINISHED_BLOCKS`, the
+/// engine's knob: the twin models the engine the process would start); an invalid value is an
+/// error naming the knob.
+pub fn finished_blocks_first() -> crate::Result<bool> {
+    let value = crate::gate::knobs::row("finished_blocks").from_env()?;
+    Ok(value == crate::gate::knobs::Value::Name("first"))
+}
 pub use replica::{Probes, Replica, ReplicaStats};
 
 /// A block's chained hash: any value that is equal iff the whole prefix up to and including the

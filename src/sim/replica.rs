@@ -95,6 +95,14 @@ impl Replica {
         self.sched.offload.as_ref().map(Offload::stats)
     }
 
+    /// A session ended (the engine gate's finish): the free cached blocks of `hashes` (its
+    /// history's full blocks) past its first `keep` go to the front of the free queue,
+    /// deepest first, as `finished_blocks` does in the engine. Returns how many moved.
+    pub fn evict_first(&mut self, hashes: &[BlockHash], keep: usize) -> u32 {
+        let past = hashes.get(keep..).unwrap_or_default();
+        self.sched.kv.pool.evict_first(past.iter().rev().copied())
+    }
+
     /// Moves the engine's clock forward to `now` (the driver's time before a step; the
     /// clock never goes back). Only the host tier's transfers read it.
     pub fn sync_clock(&mut self, now: f64) {

@@ -489,3 +489,32 @@ async def test_the_proxy_gates_at_the_engine_shared_with_every_client(url, proxy
             assert r.status_code == 200 and r.json()["finished"] is True, r.text
         assert not await gate.finish_session("px-a")
     assert stats(url)["engine_gate"]["tick_errors"] == 0
+
+
+# -- a finished session's blocks ---------------------------------------------------------------
+
+
+def test_finish_session_moves_the_sessions_blocks_to_the_front_of_the_free_queue(url):
+    """On ``vllm serve`` with only the header: vLLM's ``session_id`` reaches the engine core,
+    and vllm-router's ``/finish_session`` sends the blocks past the session's first prompt
+    ahead of every idle session's (``finished_blocks``)."""
+    before = stats(url)["engine_gate"]
+    first = tokens(71, 2 * BLOCK)
+    body = {"model": "tiny", "max_tokens": BLOCK, "ignore_eos": True, "temperature": 0.0}
+    headers = {"x-session-id": "finished-blocks-1"}
+    r = post(f"{url}/v1/completions", {**body, "prompt": first, "return_token_ids": True},
+             headers=headers)  # fmt: skip
+    assert r.status_code == 200, r.text
+    second = first + r.json()["choices"][0]["token_ids"] + tokens(72, 4 * BLOCK)
+    r = post(f"{url}/v1/completions", {**body, "prompt": second, "max_tokens": 1},
+             headers=headers)  # fmt: skip
+    assert r.status_code == 200, r.text
+    r = post(f"{url}/finish_session", params={"session_id": "finished-blocks-1"})
+    assert r.status_code == 200, r.text
+    after = stats(url)["engine_gate"]
+    assert after["finished_sessions_evicted_first"] == before["finished_sessions_evicted_first"] + 1
+    # 7 full blocks, the first prompt's 2 stay.
+    moved = after["finished_blocks_evicted_first"] - before["finished_blocks_evicted_first"]
+    assert moved == 5, after
+    text = httpx.get(f"{url}/session_gate/v1/stats", params={"format": "prometheus"}).text
+    assert "session_gate_engine_finished_blocks_evicted_first_total" in text

@@ -517,7 +517,7 @@ def test_gate_config_is_the_native_knob_tables_gate_rows():
         assert r["env"] == "SESSION_GATE_" + r["name"].upper()
         assert r["doc"] and r["rule"]
     engine = {r["name"] for r in rows if r["home"] == "engine_core"}
-    assert engine == {"lease_ttl_sec", "chain_cache_bytes", "scheduler"}
+    assert engine == {"lease_ttl_sec", "chain_cache_bytes", "finished_blocks", "scheduler"}
     with pytest.raises(AttributeError, match="lease_ttl_sec"):
         c.lease_ttl_sec  # noqa: B018 - an engine knob is no GateConfig attribute
     with pytest.raises(TypeError, match="lease_ttl_sec"):
@@ -537,6 +537,11 @@ def test_engine_knobs_come_from_the_environment_through_the_table(monkeypatch):
     monkeypatch.setenv("SESSION_GATE_CHAIN_CACHE_BYTES", "-1")
     with pytest.raises(ValueError, match="chain_cache_bytes.*-1"):
         _native.knob_from_env("chain_cache_bytes")
+    monkeypatch.setenv("SESSION_GATE_FINISHED_BLOCKS", "lru")
+    assert _native.knob_from_env("finished_blocks") == "lru"
+    monkeypatch.setenv("SESSION_GATE_FINISHED_BLOCKS", "last")
+    with pytest.raises(ValueError, match="finished_blocks.*last"):
+        _native.knob_from_env("finished_blocks")
     with pytest.raises(KeyError):
         _native.knob_from_env("no_such_knob")
 

@@ -9,7 +9,9 @@ place every request passes when it ends: finished (``update_from_output``) or ab
 (``finish_requests``: a client that went away, an API server's abort). It is wrapped once
 (:func:`install`): after vLLM's own freeing, a request carrying a bound lease releases it in the
 engine gate's book (``EngineGateDriver.release_bound``). A request without one costs one
-attribute read and a truthiness test (``extra_args`` is None for almost every request).
+attribute read and a truthiness test (``extra_args`` is None for almost every request). A request
+that carries vLLM's own ``session_id`` also leaves its block hashes to ``finished_blocks``, which
+evicts a finished session's blocks first.
 
 Exactly once. The middleware skips its own release for a request whose generate yielded an
 output (the engine core had it, so its end passes ``_free_request``); for anything else (a 4xx
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+
+from session_gate.engine import finished_blocks
 
 logger = logging.getLogger("session_gate")
 
@@ -64,6 +68,9 @@ def _wrap_free_request(original: Any) -> Any:
         gate = self.__dict__.get(SCHEDULER_GATE_ATTR)
         if gate is not None:  # scheduler mode (gate_scheduler): its lease or its held admit
             _free_scheduled(gate, request)
+        session_id = request.session_id
+        if session_id:  # its blocks are its session's newest (finished_blocks)
+            _record_session_blocks(self, session_id, request)
         return result
 
     _free_request.__wrapped__ = original  # type: ignore[attr-defined]
@@ -82,6 +89,18 @@ def _release_bound(scheduler: Any, extra_args: dict[str, Any]) -> None:
     except Exception:  # noqa: BLE001 - never take the scheduler down
         driver.counters["tick_errors"] += 1
         logger.exception("session_gate: releasing lease %r bound to a request failed", lease)
+
+
+def _record_session_blocks(scheduler: Any, session_id: Any, request: Any) -> None:
+    finished = scheduler.__dict__.get(finished_blocks.FINISHED_ATTR)
+    if finished is None:
+        finished = finished_blocks.of_scheduler(scheduler)
+    if not finished or not isinstance(session_id, str):
+        return
+    try:
+        finished.record(session_id, request)
+    except Exception:  # noqa: BLE001 - never take the scheduler down
+        logger.exception("session_gate: recording the blocks of session %r failed", session_id)
 
 
 def _free_scheduled(gate: Any, request: Any) -> None:

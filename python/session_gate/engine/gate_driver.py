@@ -44,6 +44,8 @@ from typing import Any
 
 from vllm.v1.engine import EngineCoreRequestType
 
+from session_gate.engine import finished_blocks
+
 logger = logging.getLogger("session_gate")
 
 _now = time.monotonic
@@ -146,8 +148,12 @@ class EngineGateDriver:
 
     def finish(self, session_id: Any, client_id: Any = None) -> bool:
         ended = self._book.finish(session_id, client_id, _now())
+        # Also evicts the session's own blocks first (``finished_blocks``).
         self._probes.forget(session_id)
         return ended
+
+    def _finished_counters(self) -> dict[str, int]:
+        return finished_blocks.counters_of(getattr(self._engine, "scheduler", None))
 
     def renew(self, client_id: Any) -> dict[str, Any]:
         leases, pending = self._book.renew(client_id, _now())
@@ -161,6 +167,7 @@ class EngineGateDriver:
     def stats(self) -> dict[str, Any]:
         s = self._book.stats()
         s["engine_gate"].update(self.counters)
+        s["engine_gate"].update(self._finished_counters())
         if self.scheduler_gate is not None:
             s["scheduler"] = self.scheduler_gate.stats()
         s["host_tier"] = self._host_tier()
@@ -190,6 +197,17 @@ class EngineGateDriver:
                 "Leases released because their client went silent",
             ),
         }
+        finished = self._finished_counters()
+        extra["finished_sessions_evicted_first_total"] = (
+            "counter",
+            finished["finished_sessions_evicted_first"],
+            "Finished sessions whose free blocks went to the front of vLLM's free queue",
+        )
+        extra["finished_blocks_evicted_first_total"] = (
+            "counter",
+            finished["finished_blocks_evicted_first"],
+            "Blocks of finished sessions moved to the front of vLLM's free queue",
+        )
         for name, (kind, value, text) in extra.items():
             lines += metric_lines(f"session_gate_engine_{name}", kind, text, value)
         tier = self._host_tier()

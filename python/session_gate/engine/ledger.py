@@ -171,6 +171,33 @@ LEDGER: tuple[Patch, ...] = (
         ),
     ),
     Patch(
+        symbol="vllm.v1.core.kv_cache_utils.FreeKVCacheBlockQueue.remove / prepend_n "
+        "(a finished session's blocks)",
+        how="called, not replaced (finished_blocks): Scheduler._free_request's wrapper keeps "
+        "the last freed request's Request.block_hashes per Request.session_id; the engine "
+        "gate's finish looks each hash past the session's first prompt up with "
+        "BlockHashToBlockMap.get_one_block(make_block_hash_with_group_id(hash, 0)), and moves "
+        "the blocks whose ref_cnt is 0 (in the free queue) to its front, deepest first: what "
+        "BlockPool.free_blocks does for blocks without a hash. Their hashes stay until vLLM "
+        "reuses them",
+        why="vLLM's free queue is LRU, so a finished session's blocks (freed last) outlive the "
+        "prefixes of sessions between turns, which will come back; nobody asks for a finished "
+        "session's blocks again",
+        removable_when="vLLM's block pool takes an eviction-priority hint per request or session",
+        checks=(
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.remove",
+            "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue.prepend_n",
+            "vllm.v1.core.kv_cache_utils:make_block_hash_with_group_id",
+            "vllm.v1.core.kv_cache_utils:KVCacheBlock.is_null",
+            "vllm.v1.core.block_pool:BlockHashToBlockMap.get_one_block",
+            "vllm.v1.core.block_pool:BlockPool#free_block_queue",
+            "vllm.v1.core.block_pool:BlockPool#cached_block_hash_to_block",
+            "vllm.v1.request:Request#session_id",
+            "vllm.v1.request:Request#block_hashes",
+            "vllm.v1.request:Request#prompt_token_ids",
+        ),
+    ),
+    Patch(
         symbol="vllm.SamplingParams.extra_args (the gating middleware's requests)",
         how="the middleware's wrapped engine_client.generate adds the key session_gate_lease "
         "(the admitted lease id, an int) to a gated request's extra_args (a new dict), for "

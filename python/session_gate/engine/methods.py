@@ -27,7 +27,7 @@ from vllm.v1.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.request import Request, RequestStatus
 
-from session_gate.engine import host_tier
+from session_gate.engine import finished_blocks, host_tier
 from session_gate.engine.host_tier import UNAVAILABLE, HostTier
 from session_gate.engine.utility import Utility
 
@@ -340,8 +340,11 @@ class EngineState:
         return int(hit_tokens)
 
     def forget(self, session_id: Any) -> bool:
+        """The session is over: its hash chain is dropped and its own blocks will be evicted
+        first (``finished_blocks``). Whether a chain was remembered."""
         if not isinstance(session_id, str):
             raise TypeError(f"session_id must be a str, got {type(session_id).__name__}")
+        finished_blocks.evict_first(self.scheduler, session_id)
         return bool(self.native.forget(session_id)) if self.native is not None else False
 
     # -- the utility methods' answers, timed ------------------------------------------------

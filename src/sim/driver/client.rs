@@ -117,6 +117,16 @@ impl Client {
         }
     }
 
+    /// The hashes of every full block of the session's history so far (its last request's
+    /// prompt and answer), and how many of them its first prompt filled (the blocks a finish
+    /// leaves in place: other sessions may share them).
+    pub(crate) fn history_blocks(&self) -> (&[BlockHash], usize) {
+        let block = u64::from(self.chain.block_size());
+        let first = self.spec.turns.first().map_or(0, |t| u64::from(t.append));
+        let first = u64::from(self.spec.system_tokens) + u64::from(self.spec.task_tokens) + first;
+        (self.chain.hashes(), (first / block) as usize)
+    }
+
     pub(crate) fn view(&self) -> TurnView<'_> {
         let block = self.chain.block_size() as u64;
         let prompt_blocks = ((self.history / block) as usize).min(self.chain.hashes().len());

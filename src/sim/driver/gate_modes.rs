@@ -214,6 +214,7 @@ impl Mode for GateMode {
     fn session_finished(&mut self, ctx: &mut Ctx<'_>, s: SessionIx) -> Result<()> {
         let turn = ctx.turn(s);
         self.core.finish_session(turn.session_id, ctx.now());
+        ctx.evict_first(s);
         self.settle(ctx)
     }
 

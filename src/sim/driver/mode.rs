@@ -31,6 +31,9 @@ pub(crate) enum Command {
     /// Cancel the session's episode (aimd): abort its request, drop its turns (lost work) and
     /// return it to not-started; the mode starts it again later.
     Cancel(SessionIx),
+    /// The engine gate ended the session: its own blocks go to the front of its replica's free
+    /// queue (the engine's `finished_blocks`; a no-op with `SESSION_GATE_FINISHED_BLOCKS=lru`).
+    EvictFirst(SessionIx),
 }
 
 /// A session's current turn as a mode sees it.
@@ -95,6 +98,12 @@ impl<'a> Ctx<'a> {
     /// counted as lost work, and it goes back to not-started (start it again to re-run it).
     pub fn cancel(&mut self, s: SessionIx) {
         self.commands.push(Command::Cancel(s));
+    }
+
+    /// Tells session `s`'s replica that the session is over (a finish reached its engine
+    /// gate): its blocks past its first prompt are evicted before any other session's.
+    pub fn evict_first(&mut self, s: SessionIx) {
+        self.commands.push(Command::EvictFirst(s));
     }
 }
 

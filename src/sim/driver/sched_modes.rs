@@ -371,6 +371,7 @@ impl Mode for SchedMode {
         }
         let turn = ctx.turn(s);
         self.core.finish_session(turn.session_id, ctx.now());
+        ctx.evict_first(s);
         self.settle(ctx.now(), ctx.replica().probes())
     }
 

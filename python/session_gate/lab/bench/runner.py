@@ -15,6 +15,8 @@ from session_gate.results import ModeResult, TurnRecord, ideal_cached
 from session_gate.workloads import SessionSpec, Workload
 
 VOCAB = 4096
+#: Modes whose gate runs in the client (``SessionGate``) and forgets a session at its end.
+CLIENT_GATE_KINDS = ("seed", "gate")
 
 
 def system_prompt(workload: Workload) -> list[int]:
@@ -123,6 +125,12 @@ async def run_mode(
                     if mode.kind in NAMED_SCHED_KINDS:
                         output, cached = await generate(
                             llm, history, turn.output, rid, session_id=f"{spec.session_id}@{run}"
+                        )
+                    elif mode.kind in CLIENT_GATE_KINDS and generate is agenerate:
+                        # vLLM's own session id, the one the client's gate forgets at the
+                        # session's end: the engine then evicts its blocks first.
+                        output, cached = await generate(
+                            llm, history, turn.output, rid, session_id=spec.session_id
                         )
                     else:
                         output, cached = await generate(llm, history, turn.output, rid)
