@@ -2,7 +2,8 @@
 4 sessions x 3 turns, one round of ``gate`` placement through the proxy and of no gate (each
 session hashed straight to a replica). The JSON line has its shape and sane figures: every turn
 sent is counted on exactly one replica, the proxy decided every turn once by a reason when it
-arrived (a move while it waits counts again), the hashed split is the one the session ids give.
+arrived (a move while it waits counts again), the hashed split is the one the session ids give,
+and the sessions' ends reached the replicas' engines (their blocks evicted first).
 Whether the targets are met is the benchmark's to say, not a test's (no timed assertions).
 
 Runs in a subprocess, as ``make bench-fleet`` does; about a minute, most of it the replicas'
@@ -54,8 +55,13 @@ def test_bench_fleet_smoke():
     # (a cold_move at arrival is the arrival's decision).
     at_arrival = sum(decided.values()) - decided.get("new_move", 0)
     assert at_arrival - decided.get("cold_move", 0) <= sent <= at_arrival, gate
+    # Each session's end reached its replica's engine (the proxy's gate forgets it there) and
+    # its blocks past the first prompt went to the front of the free queue; with no gate
+    # nobody ends a session.
+    assert gate["finished_blocks_evicted_first"] > 0, gate
     none = out["figures"]["none"]
     assert none["placements"] == {} and none["moves"] == 0
+    assert none["finished_blocks_evicted_first"] == 0, none
     expected = [0, 0]
     for s in default_workload(0, sessions=SESSIONS).sessions:
         expected[replica_of(s.session_id, 2)] += TURNS

@@ -180,6 +180,19 @@ def tree_cpu_sec(pid: int) -> float:
     return total
 
 
+def finished_blocks_moved(cluster: Cluster) -> int:
+    """Blocks the replicas' engines moved to the front of their free queues for finished
+    sessions so far (``finished_blocks``; 0 for a replica that cannot be asked)."""
+    total = 0
+    for url in cluster.urls:
+        try:
+            stats = json.loads(get_text(f"{url}/session_gate/v1/stats"))
+        except (OSError, ValueError):
+            continue
+        total += int(stats.get("engine_gate", {}).get("finished_blocks_evicted_first", 0))
+    return total
+
+
 def replicas_cpu_sec(cluster: Cluster) -> list[float]:
     return [tree_cpu_sec(p.pid) if p is not None else 0.0 for p in cluster.procs]
 
@@ -318,6 +331,7 @@ ROUND_KEYS = (
     "turns_by_replica",
     "placements",
     "moves",
+    "finished_blocks_evicted_first",
 )
 
 
@@ -339,6 +353,9 @@ def merge(rounds: list[list[dict[str, Any]]], workload: str) -> list[dict[str, A
         }
         row["moves"] = statistics.median(s["moves"] for s in runs)
         row["replica_cpu_sec"] = statistics.median(s["replica_cpu_sec"] for s in runs)
+        row["finished_blocks_evicted_first"] = statistics.median(
+            s.get("finished_blocks_evicted_first", 0) for s in runs
+        )
         row["hit_vs_ideal"] = row["hit_rate"] / max(row["ideal_hit_rate"], 1e-9)
     return merged
 
@@ -411,17 +428,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in order[shift:] + order[:shift]:
                 reset_prefix_caches(cluster.urls)
                 began, cpu = time.perf_counter(), replicas_cpu_sec(cluster)
+                moved = finished_blocks_moved(cluster)
                 if mode == "none":
                     summary = run_hashed(cluster, workload)
                 else:
                     summary = run_through_proxy(cluster, workload, mode)
                 used = [b - a for a, b in zip(cpu, replicas_cpu_sec(cluster), strict=True)]
                 summary["replica_cpu_sec"] = sum(used)
+                summary["finished_blocks_evicted_first"] = finished_blocks_moved(cluster) - moved
                 summaries.append(summary)
                 print(
                     f"round {r + 1}/{args.reps} {mode}: makespan {summary['makespan_sec']:.1f} s, "
                     f"hit {summary['hit_rate']:.3f}, turns by replica "
-                    f"{summary['turns_by_replica']}, replicas' CPU {sum(used):.0f} s "
+                    f"{summary['turns_by_replica']}, replicas' CPU {sum(used):.0f} s, "
+                    f"finished sessions' blocks evicted first "
+                    f"{summary['finished_blocks_evicted_first']} "
                     f"({time.perf_counter() - began:.0f} s)",
                     flush=True,
                 )
@@ -456,7 +477,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out}")
     keys = ("makespan_sec", "replica_cpu_sec", "hit_rate", "ideal_hit_rate", "hit_vs_ideal")
     keys += ("recompute_ratio", "prefill_tokens")
-    keys += ("turns", "turns_by_replica", "placements", "moves", "rounds")
+    keys += ("turns", "turns_by_replica", "placements", "moves", "finished_blocks_evicted_first")
+    keys += ("rounds",)
     figures = {r["mode"]: {k: r[k] for k in keys} for r in results["rows"]}
     line = {k: v for k, v in results.items() if k != "rows"}
     print(json.dumps({**line, "figures": figures}, sort_keys=True))
