@@ -68,7 +68,7 @@ def _wrap_free_request(original: Any) -> Any:
         gate = self.__dict__.get(SCHEDULER_GATE_ATTR)
         if gate is not None:  # scheduler mode (gate_scheduler): its lease or its held admit
             _free_scheduled(gate, request)
-        session_id = request.session_id
+        session_id = getattr(request, "session_id", None)  # vLLM 0.31+
         if session_id:  # its blocks are its session's newest (finished_blocks)
             _record_session_blocks(self, session_id, request)
         return result
