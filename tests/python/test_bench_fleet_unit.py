@@ -40,6 +40,7 @@ def _summary(mode: str, makespan: float, hit: float, split: list[int]) -> dict:
         "turns_by_replica": split,
         "placements": {"new": 4, "resident": 8} if mode != "none" else {},
         "moves": 0,
+        "finished_blocks_evicted_first": int(makespan) if mode != "none" else 0,
     }
 
 
@@ -52,6 +53,8 @@ def test_rounds_merge_to_medians_and_the_targets_read_them():
     gate = next(r for r in rows if r["mode"] == "gate")
     assert gate["makespan_sec"] == 11.0 and gate["turns_by_replica"] == [6, 6]
     assert [r["makespan_sec"] for r in gate["rounds"]] == [10.0, 30.0, 11.0]
+    assert gate["finished_blocks_evicted_first"] == 11
+    assert [r["finished_blocks_evicted_first"] for r in gate["rounds"]] == [10, 30, 11]
     assert gate["hit_vs_ideal"] == pytest.approx(0.88 / 0.9)
     t = fleet.targets(rows)
     assert t["gate_makespan_over_best_of_sticky_hash"] == pytest.approx(11.0 / 12.0)
