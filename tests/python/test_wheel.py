@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import zipfile
 from pathlib import Path
 
@@ -412,6 +413,12 @@ async def test_every_metric_the_dashboard_queries_is_exported(stack):
     finally:
         stop(strict)
 
+    # The engine's own counters reach vLLM's /metrics through the mirror, which refreshes every
+    # metrics_mirror.INTERVAL_SEC: wait for the sessions' requests to show there.
+    deadline = time.monotonic() + 30
+    while "session_gate_engine_" not in get_text(f"{stack['vllm']}/metrics"):
+        assert time.monotonic() < deadline, "the engine's counters never reached vLLM's /metrics"
+        await asyncio.sleep(0.5)
     exported = (
         _exported_names(get_text(f"{stack['vllm']}/metrics"))
         | _exported_names(get_text(f"{stack['proxy']}/metrics"))

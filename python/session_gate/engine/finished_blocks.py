@@ -166,6 +166,37 @@ def counters_of(scheduler: Any) -> dict[str, int]:
     return dict(finished.counters) if finished is not None else dict.fromkeys(COUNTERS, 0)
 
 
+#: Its Prometheus counters, named ``session_gate_engine_<key>_total``: key and help.
+METRICS = (
+    (
+        "finished_sessions_evicted_first",
+        "Finished sessions whose free blocks went to the front of vLLM's free queue",
+    ),
+    (
+        "finished_blocks_evicted_first",
+        "Blocks of finished sessions moved to the front of vLLM's free queue",
+    ),
+)
+
+
+def prometheus_lines(scheduler: Any) -> list[str]:
+    """Its counters in Prometheus' text format (zeros when it has none)."""
+    counts = counters_of(scheduler)
+    lines: list[str] = []
+    for key, text in METRICS:
+        metric = f"session_gate_engine_{key}_total"
+        lines += [f"# HELP {metric} {text}", f"# TYPE {metric} counter", f"{metric} {counts[key]}"]
+    return lines
+
+
+def prometheus_text(scheduler: Any) -> str | None:
+    """The same for an engine without an engine gate (the proxy's gates and ``SessionGate``
+    end sessions through the probes alone): None until a request with a session id was freed."""
+    if scheduler is None or not scheduler.__dict__.get(FINISHED_ATTR):
+        return None
+    return "\n".join(prometheus_lines(scheduler)) + "\n"
+
+
 def _why_not(kvm: Any) -> str | None:
     if not kvm.enable_caching:
         return "prefix caching is disabled"

@@ -197,19 +197,9 @@ class EngineGateDriver:
                 "Leases released because their client went silent",
             ),
         }
-        finished = self._finished_counters()
-        extra["finished_sessions_evicted_first_total"] = (
-            "counter",
-            finished["finished_sessions_evicted_first"],
-            "Finished sessions whose free blocks went to the front of vLLM's free queue",
-        )
-        extra["finished_blocks_evicted_first_total"] = (
-            "counter",
-            finished["finished_blocks_evicted_first"],
-            "Blocks of finished sessions moved to the front of vLLM's free queue",
-        )
         for name, (kind, value, text) in extra.items():
             lines += metric_lines(f"session_gate_engine_{name}", kind, text, value)
+        lines += finished_blocks.prometheus_lines(getattr(self._engine, "scheduler", None))
         tier = self._host_tier()
         if tier["unavailable"] is None:
             # Only an engine with a readable host tier has these (no series means no tier).

@@ -34,7 +34,7 @@ from typing import Any
 
 from vllm.v1.engine.core import EngineCore
 
-from session_gate.engine import dp_pin, gate_binding, gate_scheduler, methods
+from session_gate.engine import dp_pin, finished_blocks, gate_binding, gate_scheduler, methods
 from session_gate.engine.gate_driver import (
     BAD_GATE_INPUT,
     DRIVER_ATTR,
@@ -168,7 +168,8 @@ def session_gate_stats(self: EngineCore, fmt: Any = "json", build: Any = True) -
     ``"inferred"``: the scheduler mode's recent inferences (``infer``), a list of
     ``[request_id, session, kind]``, oldest first (empty in other modes). ``build=False``
     answers None while this engine has no gate yet instead of building one (a reader that must
-    not start a gate: ``metrics_mirror``). The JSON has ``dp_pins`` on the engine core that
+    not start a gate: ``metrics_mirror``), except the Prometheus text of ``finished_blocks``,
+    which needs no gate. The JSON has ``dp_pins`` on the engine core that
     keeps the DP pins' authority table, once it has one (``dp_pin``)."""
     if fmt not in ("json", "prometheus", "inferred"):
         raise ValueError(
@@ -176,6 +177,10 @@ def session_gate_stats(self: EngineCore, fmt: Any = "json", build: Any = True) -
         )
     driver = _driver(self) if build else self.__dict__.get(DRIVER_ATTR)
     if driver is None:
+        # No gate, but sessions may still end here through the probes (a proxy's gates):
+        # their blocks' counters are the engine's own.
+        if fmt == "prometheus":
+            return finished_blocks.prometheus_text(getattr(self, "scheduler", None))
         return None
     if fmt == "inferred":
         gate = driver.scheduler_gate

@@ -26,7 +26,9 @@ How it is mirrored follows how vLLM builds ``/metrics`` (``vllm.v1.metrics.prome
 
 Asking never builds a gate: the call passes ``build=False``, and an engine whose gate has not
 been used yet (no admit, no request with a session id in scheduler mode) answers None: nothing is
-mirrored until it is. An engine without the engine-side plugin stops the task (one warning).
+mirrored until it is, except the counters of finished sessions' blocks (``finished_blocks``),
+which need no gate and show once a request with a session id has ended. An engine without the
+engine-side plugin stops the task (one warning).
 With data parallelism every engine core (DP rank) has its own gate: each one is asked, and each
 sample carries a ``rank`` label (:func:`ranked_text`), as on ``/session_gate/v1/stats?format=
 prometheus``; without it the labels are the engine's own.
