@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import pytest_asyncio
+from conftest import word_ids
 from session_gate.engine import finished_blocks
 from session_gate.engine.finished_blocks import FinishedBlocks
 from session_gate.lab.engine.launch import agenerate, make_async_llm
@@ -122,10 +123,6 @@ async def engine():
         llm.shutdown()
 
 
-def tokens(seed: int, n: int) -> list[int]:
-    return [3 + (seed * 131 + i) % 4000 for i in range(n)]
-
-
 async def utility(llm, name: str, *args):
     return await llm.engine_core.call_utility_async(name, *args)
 
@@ -134,12 +131,12 @@ async def utility(llm, name: str, *args):
 async def test_an_idle_sessions_prefix_outlives_a_finished_sessions_blocks(engine):
     await engine.reset_prefix_cache()
     # The idle session: 20 blocks, freed first (vLLM's LRU would evict them first).
-    idle = tokens(1, 20 * BLOCK)
+    idle = word_ids(1, 20 * BLOCK)
     await agenerate(engine, idle, 1, "idle-1", session_id="idle")
     # The finished session: a 4-block first prompt, then a 20-block second turn.
-    done = tokens(2, 4 * BLOCK)
+    done = word_ids(2, 4 * BLOCK)
     out, _ = await agenerate(engine, done, BLOCK, "done-1", session_id="done")
-    done = done + out + tokens(3, 20 * BLOCK - len(done) - len(out))
+    done = done + out + word_ids(3, 20 * BLOCK - len(done) - len(out))
     _, cached = await agenerate(engine, done, 1, "done-2", session_id="done")
     assert cached >= 4 * BLOCK, "the second turn continues the first"
     # Its end: the 16 blocks past its first prompt go to the front of the free queue.
@@ -149,8 +146,8 @@ async def test_an_idle_sessions_prefix_outlives_a_finished_sessions_blocks(engin
     assert stats["finished_blocks_evicted_first"] == 16
     # 33 new blocks: the 23 never used and 10 more. In LRU order those 10 would be the idle
     # session's (its tail first), here they are the finished session's.
-    await agenerate(engine, tokens(4, 33 * BLOCK - 8), 1, "filler")
-    _, cached = await agenerate(engine, idle + tokens(5, BLOCK), 1, "idle-2", session_id="idle")
+    await agenerate(engine, word_ids(4, 33 * BLOCK - 8), 1, "filler")
+    _, cached = await agenerate(engine, idle + word_ids(5, BLOCK), 1, "idle-2", session_id="idle")
     assert cached == 20 * BLOCK
     # The finished session's first prompt stayed (other sessions may share it); the blocks
     # past it went to the filler.

@@ -92,10 +92,8 @@ def _release_bound(scheduler: Any, extra_args: dict[str, Any]) -> None:
 
 
 def _record_session_blocks(scheduler: Any, session_id: Any, request: Any) -> None:
-    finished = scheduler.__dict__.get(finished_blocks.FINISHED_ATTR)
-    if finished is None:
-        finished = finished_blocks.of_scheduler(scheduler)
-    if not finished or not isinstance(session_id, str):
+    finished = finished_blocks.of_scheduler(scheduler)
+    if finished is None or not isinstance(session_id, str):
         return
     try:
         finished.record(session_id, request)
